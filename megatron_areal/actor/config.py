@@ -1,0 +1,52 @@
+"""Settings of the Megatron actor: the model, its parallel layout and the optimizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_areal.configbase import require
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = "smollm2-135m"  # HF folder, or a built-in asset name (see megatron_areal.assets)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    max_seq_len: int = 1024  # longest prompt + response the trainer accepts
+
+    def validate(self) -> None:
+        require(self.max_seq_len > 0, "max_seq_len", "must be positive")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
+    max_tokens_per_mb: int = 4096  # token budget of one packed micro-batch
+    packing: Literal["ffd", "kk"] = "ffd"  # first-fit-decreasing or Karmarkar-Karp
+
+    def validate(self) -> None:
+        require(self.tp >= 1, "tp", "must be >= 1")
+        require(self.pp >= 1, "pp", "must be >= 1")
+        require(self.max_tokens_per_mb > 0, "max_tokens_per_mb", "must be positive")
+        require(not self.sequence_parallel or self.tp > 1, "sequence_parallel", "needs tp > 1")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    lr: float = 5e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    distributed: bool = True  # Megatron's distributed optimizer (shards state across DP)
+
+    def validate(self) -> None:
+        require(self.lr > 0, "lr", "must be positive")
+        require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")

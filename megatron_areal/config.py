@@ -1,0 +1,78 @@
+"""The one configuration tree of a run.
+
+Each section is a dataclass owned by the component that reads it; this module only assembles
+them. ``load_config("run.yaml", ["ppo.eps_clip=0.1"])`` returns a validated ``Config``; any typo
+or bad value raises ``ConfigError`` naming the dotted key and suggesting the closest valid one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_areal.algorithm.config import PPOConfig
+from megatron_areal.configbase import ConfigError, apply_overrides, from_dict, load_yaml, require, to_dict
+from megatron_areal.convert.config import CheckpointConfig
+from megatron_areal.data.config import DataConfig
+from megatron_areal.launch.config import ClusterConfig
+from megatron_areal.reward.config import RewardConfig
+from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
+from megatron_areal.server.config import ServerConfig
+from megatron_areal.sim.config import SimConfig
+
+__all__ = ["Config", "ConfigError", "LoggingConfig", "TrainConfig", "load_config", "to_dict"]
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    log_every: int = 1
+    progress: bool = True  # a progress bar on the terminal
+
+    def validate(self) -> None:
+        require(self.log_every >= 1, "log_every", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    run_dir: str = "runs/default"
+    steps: int = 20  # policy updates
+    eval_every: int = 0  # steps between held-out evaluations; 0: only before and after
+    seed: int = 1
+
+    def validate(self) -> None:
+        require(self.steps >= 0, "steps", "must be >= 0")
+        require(self.eval_every >= 0, "eval_every", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class Config:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    def validate(self) -> None:
+        require(self.staleness.overlap or self.staleness.eta == 0, "staleness.overlap",
+                "false (synchronous mode) requires staleness.eta = 0")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    data = load_yaml(path) if path else {}
+    data = apply_overrides(Config, data, overrides or [])
+    try:
+        return from_dict(Config, data)
+    except ConfigError as e:
+        if path:
+            raise ConfigError(f"{path}: {e}") from None
+        raise

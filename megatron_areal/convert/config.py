@@ -1,0 +1,17 @@
+"""Settings of training checkpoints."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_areal.configbase import require
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 disables
+    keep: int = 2  # newest checkpoints kept
+    resume: bool = True  # continue from the newest checkpoint in the run directory
+
+    def validate(self) -> None:
+        require(self.every >= 0, "every", "must be >= 0")
+        require(self.keep >= 1, "keep", "must be >= 1")

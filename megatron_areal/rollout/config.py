@@ -1,0 +1,36 @@
+"""Settings of rollout generation and the staleness gate."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_areal.configbase import require
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    batch_size: int = 8  # prompts (groups) per training step
+    group_size: int = 8  # samples per prompt
+    max_new_tokens: int = 64
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = -1
+    max_concurrent: int = 64  # in-flight groups across all servers
+    filter_equal_rewards: bool = True  # drop groups whose rewards are all equal (no signal)
+    request_timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        require(self.group_size >= 1, "group_size", "must be >= 1")
+        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        require(self.temperature >= 0, "temperature", "must be >= 0")
+        require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        require(self.max_concurrent >= 1, "max_concurrent", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class StalenessConfig:
+    eta: int = 4  # max policy versions between a rollout's start and its training step
+    overlap: bool = True  # False with eta 0: synchronous (generate the batch, then train)
+
+    def validate(self) -> None:
+        require(self.eta >= 0, "eta", "must be >= 0")
