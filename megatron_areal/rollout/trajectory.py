@@ -1,0 +1,48 @@
+"""One generated sample, as it travels from the servers through the reward to the trainer.
+
+Token alignment: ``input_ids = prompt_ids + output_ids``. Per-token quantities of the output
+(``output_logprobs``, ``output_versions``) have one entry per output token; the trainer's
+per-position logprobs of a sequence of length L have L - 1 entries (token t given tokens < t),
+so the output token k sits at position ``len(prompt_ids) - 1 + k`` of that vector.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # behaviour policy, per output token
+    output_versions: list[int] = field(default_factory=list)  # weight version that produced each token
+    start_version: int = 0  # policy version when generation started (the staleness gate's version)
+    group_id: int = 0  # samples of one prompt share it
+    prompt_index: int = 0  # position of the prompt in the dataset stream
+    answer: Any = None  # what the reward compares against (gold answer, unit tests)
+    task: str = "math"  # which verifier scores it
+    reward: float = 0.0
+    finish_reason: str = ""  # stop | length | abort
+    interruptions: int = 0  # times generation was paused and resumed under newer weights
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """Per-position mask over the L - 1 next-token predictions: 1 on output tokens."""
+        return [0] * (len(self.prompt_ids) - 1) + [1] * len(self.output_ids)
+
+    @property
+    def behavior_logprobs(self) -> list[float]:
+        """Per-position behaviour logprobs (0 on prompt positions), aligned with ``loss_mask``."""
+        return [0.0] * (len(self.prompt_ids) - 1) + list(self.output_logprobs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        return cls(**data)
