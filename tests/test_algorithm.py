@@ -1,8 +1,13 @@
 import pytest
 import torch
 
-from megatron_areal.algorithm import (decoupled_ppo_loss, group_advantages, kl_penalty,
-                                      normalize_advantages, staleness_capacity)
+from megatron_areal.algorithm import (
+    decoupled_ppo_loss,
+    group_advantages,
+    kl_penalty,
+    normalize_advantages,
+    staleness_capacity,
+)
 
 
 def _inputs(n=64, seed=0):
