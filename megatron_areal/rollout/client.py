@@ -1,0 +1,211 @@
+"""One async client for SGLang and the embedded server (they speak the same HTTP protocol).
+
+Differences between SGLang releases are handled here and nowhere else:
+- ``/get_weight_version`` is 404 from 0.5.9 on: fall back to ``/model_info``.
+- ``/pause_generation`` takes a ``mode`` from 0.5.9 on; 0.5.2 takes no body and always aborts.
+- 0.5.23 requires ``/begin_weight_update`` ... ``/end_weight_update`` around distributed updates;
+  older servers answer 404 to them, which is harmless.
+- ``/get_load`` (0.5.2) became ``/v1/loads`` (0.5.9).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """A request to a rollout server failed; the message names the server and endpoint."""
+
+    def __init__(self, url: str, endpoint: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"{url}{endpoint}: {message}")
+        self.url, self.endpoint, self.status = url, endpoint, status
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str
+    prompt_tokens: int
+    completion_tokens: int
+    output_versions: list[str] = field(default_factory=list)  # per output token
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_response(cls, body: dict[str, Any]) -> GenerateResult:
+        meta = body.get("meta_info") or {}
+        ids = [int(t) for t in body.get("output_ids") or []]
+        logprobs = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
+        reason = meta.get("finish_reason") or {}
+        kind = reason.get("type", "abort") if isinstance(reason, dict) else str(reason)
+        version = str(meta.get("weight_version", "default"))
+        return cls(output_ids=ids, output_logprobs=logprobs, finish_reason=kind, weight_version=version,
+                   prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+                   completion_tokens=int(meta.get("completion_tokens", len(ids)) or 0),
+                   output_versions=_versions_per_token(meta, len(ids), version), meta_info=meta)
+
+
+def _versions_per_token(meta: dict[str, Any], n: int, version: str) -> list[str]:
+    """Expand 0.5.23's ``weight_versions`` spans; older servers report one version per request."""
+    spans = meta.get("weight_versions")
+    out = [version] * n
+    if isinstance(spans, list):
+        for span in spans:
+            for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
+                out[i] = str(span["version"])
+    return out
+
+
+class RolloutClient:
+    """Talks to one server. Create inside a running event loop; close with ``await close()``."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 control_timeout_s: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        if "://" not in self.url:
+            self.url = "http://" + self.url
+        self.timeout_s, self.control_timeout_s = timeout_s, control_timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session = aiohttp.ClientSession(headers=headers,
+                                              connector=aiohttp.TCPConnector(limit=0, force_close=False))
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- HTTP plumbing -------------------------------------------------------------------
+    async def _request(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
+                       timeout_s: float | None = None, ok404: bool = False) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.control_timeout_s)
+        try:
+            async with self._session.request(method, self.url + endpoint, json=body, timeout=timeout) as r:
+                text = await r.text()
+                if r.status == 404 and ok404:
+                    return None
+                if r.status >= 400:
+                    raise ServerError(self.url, endpoint, f"HTTP {r.status}: {text[:500]}", r.status)
+                if r.content_type == "application/json" and text:
+                    return await r.json(content_type=None)
+                return text
+        except TimeoutError:
+            raise ServerError(self.url, endpoint, f"no reply within {timeout.total:.0f}s") from None
+        except aiohttp.ClientError as e:
+            raise ServerError(self.url, endpoint, f"{type(e).__name__}: {e}") from None
+
+    async def _control(self, endpoint: str, body: dict[str, Any] | None = None,
+                       timeout_s: float | None = None) -> dict[str, Any]:
+        """POST a control call; a ``success: false`` reply is raised as an error."""
+        reply = await self._request("POST", endpoint, body or {}, timeout_s)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise ServerError(self.url, endpoint, str(reply.get("message", "refused")))
+        return reply if isinstance(reply, dict) else {"message": reply}
+
+    # ---- generation ----------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
+                       rid: str | None = None) -> GenerateResult:
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                                "return_logprob": True}
+        if rid is not None:
+            body["rid"] = rid
+        reply = await self._request("POST", "/generate", body, timeout_s=self.timeout_s)
+        if not isinstance(reply, dict):
+            raise ServerError(self.url, "/generate", f"expected one JSON object, got {str(reply)[:200]}")
+        return GenerateResult.from_response(reply)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation; in ``abort`` mode running requests return with what they have."""
+        try:
+            await self._request("POST", "/pause_generation", {"mode": mode})
+        except ServerError as e:
+            if e.status not in (400, 422) or mode != "abort":
+                raise
+            await self._request("POST", "/pause_generation")  # 0.5.2: no body, always aborts
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def abort_all(self) -> None:
+        await self._request("POST", "/abort_request", {"abort_all": True})
+
+    async def abort(self, rid: str) -> None:
+        await self._request("POST", "/abort_request", {"rid": rid})
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            await self._request("GET", "/health", timeout_s=timeout_s)
+            return True
+        except ServerError:
+            return False
+
+    async def load(self) -> int:
+        """Running + waiting requests, for least-loaded routing."""
+        reply = await self._request("GET", "/v1/loads", ok404=True)
+        if reply is None:
+            reply = await self._request("GET", "/get_load")
+            items = reply if isinstance(reply, list) else [reply]
+            return sum(int(x.get("num_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in items)
+        return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
+                   for x in reply.get("loads", []))
+
+    async def weight_version(self) -> str:
+        reply = await self._request("GET", "/get_weight_version", ok404=True)
+        if reply is None:
+            reply = await self._request("GET", "/model_info")
+        return str(reply["weight_version"])
+
+    async def model_info(self) -> dict[str, Any]:
+        reply = await self._request("GET", "/model_info", ok404=True)
+        return reply if reply is not None else await self._request("GET", "/get_model_info")
+
+    # ---- weights -------------------------------------------------------------------------
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "gloo") -> None:
+        await self._control("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_weight_update(self) -> None:
+        await self._request("POST", "/begin_weight_update", {"selector": "all"}, ok404=True)
+
+    async def end_weight_update(self) -> None:
+        await self._request("POST", "/end_weight_update", {}, ok404=True)
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], weight_version: str | None = None,
+                                              group_name: str = "weight_update_group",
+                                              flattened_bucket: bool = False, flush_cache: bool = True,
+                                              timeout_s: float | None = None) -> None:
+        """Announce one bucket; the caller broadcasts the tensors while this call is pending.
+
+        Wrap a sequence of buckets in ``begin_weight_update()`` / ``end_weight_update()``.
+        """
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                "group_name": group_name, "flush_cache": flush_cache,
+                                "weight_version": weight_version}
+        if flattened_bucket:
+            body["load_format"] = "flattened_bucket"
+        await self._control("/update_weights_from_distributed", body, timeout_s=timeout_s)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       timeout_s: float | None = None) -> None:
+        await self._control("/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": weight_version, "flush_cache": True},
+            timeout_s=timeout_s)
