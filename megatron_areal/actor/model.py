@@ -1,0 +1,158 @@
+"""Build Megatron ``GPTModel`` chunks for the Llama / Qwen2 / Qwen3 dense families.
+
+``build_model`` returns the chunk(s) of this rank's pipeline stage (one chunk: no virtual
+pipeline). On CPU, and on GPU without Transformer Engine, the local spec is used with
+``PackedCoreAttention`` so packed (THD) micro-batches work; with TE installed on GPU the TE spec
+is used (its attention handles THD natively).
+
+State-dict names of one chunk (local spec; ``L`` is the layer index local to the stage, the
+first stage holds ``embedding``, the last ``decoder.final_layernorm`` and ``output_layer``):
+
+    embedding.word_embeddings.weight                         [padded_vocab/tp, hidden]
+    decoder.layers.L.input_layernorm.weight                  [hidden]
+    decoder.layers.L.self_attention.linear_qkv.weight        [(nq + 2 nkv) * head_dim / tp, hidden]
+    decoder.layers.L.self_attention.linear_qkv.bias          (qwen2 / attention_bias only)
+    decoder.layers.L.self_attention.q_layernorm.weight       [head_dim]  (qwen3 only)
+    decoder.layers.L.self_attention.k_layernorm.weight       [head_dim]  (qwen3 only)
+    decoder.layers.L.self_attention.linear_proj.weight       [hidden, nq * head_dim / tp]
+    decoder.layers.L.pre_mlp_layernorm.weight                [hidden]
+    decoder.layers.L.mlp.linear_fc1.weight                   [2 * ffn / tp, hidden]  (gate; up)
+    decoder.layers.L.mlp.linear_fc2.weight                   [hidden, ffn / tp]
+    decoder.final_layernorm.weight                           [hidden]
+    output_layer.weight                                      [padded_vocab/tp, hidden]  (untied only)
+
+``linear_qkv`` rows are grouped per KV head: for each of the ``nkv`` groups, its
+``nq / nkv`` query heads, then one key head, then one value head (head_dim rows each); TP splits
+whole groups. ``linear_fc1`` on each TP rank is ``[gate_shard; up_shard]``. With the TE spec the
+input/pre-MLP norms are fused into the next linear and are named
+``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` instead.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_areal.actor.attention import PackedCoreAttention
+from megatron_areal.convert.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE fails to import in many ways without a matching CUDA
+        return False
+    return torch.cuda.is_available()
+
+
+def check_layout(arch: ModelArch, tp: int, pp: int) -> None:
+    """Refuse layouts the architecture cannot be split into, naming the numbers."""
+    if arch.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {arch.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if arch.num_layers % pp:
+        raise ValueError(f"parallel.pp={pp} must divide the model's {arch.num_layers} layers")
+    for name, value in (("num_heads", arch.num_heads), ("num_kv_heads", arch.num_kv_heads),
+                        ("intermediate_size", arch.intermediate_size)):
+        if value % tp:
+            raise ValueError(f"parallel.tp={tp} must divide the model's {name}={value}")
+
+
+def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                       dtype: torch.dtype = torch.float32, on_gpu: bool = False,
+                       p2p_batched: bool = True) -> TransformerConfig:
+    """The TransformerConfig of ``arch``; fusions that need TE/Apex/CUDA stay off."""
+    check_layout(arch, tp, pp)
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        # packed micro-batches differ in length, so pipeline stages exchange shapes per micro-batch;
+        # the MoE dispatcher setting only satisfies a check that applies to MoE models
+        use_cpu_initialization=not on_gpu, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # gloo delivers two batched isend/irecv to the same peer out of order (notes/megatron-cpu.md)
+        batch_p2p_comm=p2p_batched,
+        bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def layer_spec(arch: ModelArch, use_te: bool) -> ModuleSpec:
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    return spec
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse RoPE frequencies of ``arch`` as Hugging Face computes them (default/linear/llama3)."""
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling: dict[str, Any] = arch.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(medium, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0,
+                sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, seed: int = 1,
+                device: torch.device | None = None, use_te: bool | None = None) -> list[GPTModel]:
+    """The GPTModel chunk of pipeline stage ``pp_rank``, randomly initialised from ``seed``.
+
+    Needs Megatron's parallel state for (tp, pp) initialised (``actor.parallel.init_parallel``).
+    The same seed gives the same full model at any TP size: weights are built whole on the CPU
+    generator and then split.
+    """
+    device = device or torch.device("cpu")
+    on_gpu = device.type == "cuda"
+    use_te = te_available() if use_te is None else use_te
+    if use_te and not on_gpu:
+        raise ValueError("the Transformer Engine spec needs a CUDA device")
+    config = transformer_config(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype,
+                                on_gpu=on_gpu, p2p_batched=on_gpu)
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(arch, use_te),
+        vocab_size=arch.padded_vocab_size(tp), max_sequence_length=arch.max_position_embeddings,
+        pre_process=pp_rank == 0, post_process=pp_rank == pp - 1, parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+    )
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(arch).to(device)
+    model.to(device)
+    log.info("built %s stage %d/%d: %.2fM parameters on this rank (%s spec)", arch.model_type, pp_rank, pp,
+             sum(p.numel() for p in model.parameters()) / 1e6, "TE" if use_te else "local")
+    return [model]

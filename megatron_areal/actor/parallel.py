@@ -1,0 +1,119 @@
+"""Bootstrap torch.distributed and Megatron's model-parallel state for one TP x PP x DP layout.
+
+This is the one place that touches ``megatron.core.parallel_state``; everything else receives the
+``ParallelGroups`` it returns. ``teardown_parallel`` destroys Megatron's groups (not the world), so
+one process group can be re-initialised with another layout, which the distributed tests rely on.
+Rank order is Megatron's default ``tp-cp-ep-dp-pp``: TP ranks are adjacent.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_areal.actor.cpu_patch import apply_cpu_patch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups and coordinates of this rank in the current layout."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup  # TP x PP: the ranks holding one full model replica
+    backend: str
+    device: torch.device
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        """Global rank of this rank's TP peer on the last pipeline stage (its logprob source)."""
+        return dist.get_global_rank(self.pp_group, self.pp - 1)
+
+    def pipeline_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.pp_group)
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"parallel.backend: {backend!r} is not one of 'auto', 'gloo', 'nccl'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend: 'nccl' needs CUDA, which this machine does not have")
+    return backend
+
+
+def init_world(backend: str = "auto", timeout_minutes: int = 30) -> str:
+    """Initialise torch.distributed from the usual env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) once."""
+    backend = resolve_backend(backend)
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return dist.get_backend()
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1, backend: str = "auto") -> ParallelGroups:
+    """Set up Megatron's TP/PP/DP groups on the (possibly already initialised) world."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    backend = init_world(backend)
+    world = dist.get_world_size()
+    if tp < 1 or pp < 1 or world % (tp * pp) != 0:
+        raise ValueError(f"parallel: world size {world} is not divisible by tp ({tp}) x pp ({pp})")
+    if backend == "gloo":
+        apply_cpu_patch()
+    if mpu.model_parallel_is_initialized():
+        teardown_parallel()
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  create_gloo_process_groups=backend != "gloo")
+    model_parallel_cuda_manual_seed(seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    groups = ParallelGroups(
+        tp=tp, pp=pp, dp=world // (tp * pp),
+        tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        tp_group=mpu.get_tensor_model_parallel_group(), pp_group=mpu.get_pipeline_model_parallel_group(),
+        dp_group=mpu.get_data_parallel_group(), mp_group=mpu.get_model_parallel_group(),
+        backend=backend, device=device)
+    log.info("parallel layout tp=%d pp=%d dp=%d (%s); this rank tp=%d pp=%d dp=%d", tp, pp, groups.dp,
+             backend, groups.tp_rank, groups.pp_rank, groups.dp_rank)
+    return groups
+
+
+def teardown_parallel() -> None:
+    """Destroy Megatron's model-parallel groups and caches; the world group stays."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    # The global memory buffer and RNG tracker survive destroy_model_parallel; reset them so the
+    # next layout starts clean.
+    initialize_rng_tracker(force_reset=True)
