@@ -1,0 +1,238 @@
+"""The one mapping between Hugging Face and Megatron-core GPTModel parameters (Llama/Qwen2/Qwen3).
+
+Every tensor of a Megatron model is described by one ``Rule``: which HF tensors it is made of, how
+they are joined (fused QKV interleaved per query group, fused gate/up, padded vocabulary) and how
+it is split across tensor-parallel ranks. Conversion, HF loading into a live model, checkpoint
+export and the weight transfer to rollout servers all go through the functions below.
+
+Names here are *global*: ``decoder.layers.{i}`` uses the layer's index in the whole model, not its
+index inside a pipeline stage (see ``global_name``). Both the local-spec names
+(``input_layernorm.weight``) and the Transformer-Engine names (``linear_qkv.layer_norm_weight``)
+are accepted; ``canonical`` turns the latter into the former.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_areal.convert.arch import ModelArch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# Transformer-Engine spec fuses the pre-norms into the following linear layer.
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: tuple[str, ...]  # HF name templates, "{i}" is the layer index
+    kind: str  # "copy" | "qkv" | "glu" | "vocab"
+    tp_dim: int | None  # dimension split across TP ranks; None: replicated
+
+
+# Keys are Megatron names with "decoder.layers.{i}." removed for layer parameters.
+_GLOBAL_RULES: dict[str, Rule] = {
+    "embedding.word_embeddings.weight": Rule(("model.embed_tokens.weight",), "vocab", 0),
+    "decoder.final_layernorm.weight": Rule(("model.norm.weight",), "copy", None),
+    "output_layer.weight": Rule(("lm_head.weight",), "vocab", 0),
+}
+_LAYER_RULES: dict[str, Rule] = {
+    "input_layernorm.weight": Rule(("input_layernorm.weight",), "copy", None),
+    "self_attention.linear_qkv.weight": Rule(
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv", 0),
+    "self_attention.linear_qkv.bias": Rule(
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv", 0),
+    "self_attention.q_layernorm.weight": Rule(("self_attn.q_norm.weight",), "copy", None),
+    "self_attention.k_layernorm.weight": Rule(("self_attn.k_norm.weight",), "copy", None),
+    "self_attention.linear_proj.weight": Rule(("self_attn.o_proj.weight",), "copy", 1),
+    "pre_mlp_layernorm.weight": Rule(("post_attention_layernorm.weight",), "copy", None),
+    "mlp.linear_fc1.weight": Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu", 0),
+    "mlp.linear_fc2.weight": Rule(("mlp.down_proj.weight",), "copy", 1),
+}
+
+
+class MappingError(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+def canonical(name: str) -> str:
+    """Megatron name with Transformer-Engine aliases replaced by local-spec names."""
+    m = _LAYER.match(name)
+    if m and m.group(2) in _TE_ALIASES:
+        return f"decoder.layers.{m.group(1)}.{_TE_ALIASES[m.group(2)]}"
+    return name
+
+
+def global_name(local_name: str, layer_offset: int) -> str:
+    """Turn a pipeline stage's parameter name into the whole-model name."""
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
+
+
+def _split_name(name: str) -> tuple[int | None, Rule]:
+    name = canonical(name)
+    m = _LAYER.match(name)
+    if m:
+        rule = _LAYER_RULES.get(m.group(2))
+        layer: int | None = int(m.group(1))
+    else:
+        rule, layer = _GLOBAL_RULES.get(name), None
+    if rule is None:
+        raise MappingError(f"no HF mapping for Megatron parameter {name!r}")
+    return layer, rule
+
+
+def hf_names(name: str) -> tuple[str, ...]:
+    """The HF tensors a Megatron parameter is made of."""
+    layer, rule = _split_name(name)
+    if layer is None:
+        return rule.hf
+    return tuple(f"model.layers.{layer}.{t}" for t in rule.hf)
+
+
+def mcore_names(arch: ModelArch) -> list[str]:
+    """Every Megatron parameter name (local spec) of the whole model, in model order."""
+    per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
+    if arch.qkv_bias:
+        per_layer.append("self_attention.linear_qkv.bias")
+    if arch.qk_norm:
+        per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    per_layer += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
+                  "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    names = ["embedding.word_embeddings.weight"]
+    names += [f"decoder.layers.{i}.{p}" for i in range(arch.num_layers) for p in per_layer]
+    names.append("decoder.final_layernorm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("output_layer.weight")
+    return names
+
+
+def hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
+    """The shape the config implies for an HF tensor; unknown names raise MappingError."""
+    h, hd = arch.hidden_size, arch.head_dim
+    m = _HF_LAYER.match(hf_name)
+    suffix = m.group(2) if m else hf_name
+    shapes = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "lm_head.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (arch.num_heads * hd, h),
+        "self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
+        "self_attn.v_proj.weight": (arch.num_kv_heads * hd, h),
+        "self_attn.q_proj.bias": (arch.num_heads * hd,),
+        "self_attn.k_proj.bias": (arch.num_kv_heads * hd,),
+        "self_attn.v_proj.bias": (arch.num_kv_heads * hd,),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "self_attn.o_proj.weight": (h, arch.num_heads * hd),
+        "mlp.gate_proj.weight": (arch.intermediate_size, h),
+        "mlp.up_proj.weight": (arch.intermediate_size, h),
+        "mlp.down_proj.weight": (h, arch.intermediate_size),
+    }
+    if suffix not in shapes or (m and not 0 <= int(m.group(1)) < arch.num_layers):
+        raise MappingError(f"HF tensor {hf_name!r} is not part of a {arch.model_type} model")
+    return shapes[suffix]
+
+
+def hf_tensor_names(arch: ModelArch) -> list[str]:
+    """Every HF tensor name of the model, in checkpoint order."""
+    return [hf for name in mcore_names(arch) for hf in hf_names(name)]
+
+
+def join(arch: ModelArch, name: str, tensors: Sequence[torch.Tensor], padded_vocab: int) -> torch.Tensor:
+    """Build the full (TP-unsplit) Megatron tensor ``name`` from its HF tensors (``hf_names`` order)."""
+    _, rule = _split_name(name)
+    if rule.kind == "copy":
+        return tensors[0]
+    if rule.kind == "vocab":
+        (t,) = tensors
+        if padded_vocab < t.shape[0]:
+            raise ValueError(f"{name}: padded vocabulary {padded_vocab} < {t.shape[0]} rows")
+        pad = t.new_zeros((padded_vocab - t.shape[0], *t.shape[1:]))
+        return torch.cat([t, pad])
+    if rule.kind == "glu":
+        return torch.cat(list(tensors))
+    q, k, v = tensors
+    groups = arch.num_kv_heads
+    rest = q.shape[1:]
+    per_group = [x.reshape(groups, -1, *rest) for x in (q, k, v)]
+    return torch.cat(per_group, dim=1).reshape(-1, *rest)
+
+
+def split(arch: ModelArch, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of ``join``: the HF (name, tensor) pairs a full Megatron tensor holds."""
+    targets = hf_names(name)
+    _, rule = _split_name(name)
+    if rule.kind == "copy":
+        return [(targets[0], tensor)]
+    if rule.kind == "vocab":
+        return [(targets[0], tensor[: arch.vocab_size])]
+    if rule.kind == "glu":
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return list(zip(targets, (gate, up), strict=True))
+    groups, hd = arch.num_kv_heads, arch.head_dim
+    q_per_group = arch.num_heads // groups * hd
+    rest = tensor.shape[1:]
+    grouped = tensor.reshape(groups, q_per_group + 2 * hd, *rest)
+    q, k, v = torch.split(grouped, [q_per_group, hd, hd], dim=1)
+    return list(zip(targets, (x.reshape(-1, *rest) for x in (q, k, v)), strict=True))
+
+
+def tp_dim(name: str) -> int | None:
+    return _split_name(name)[1].tp_dim
+
+
+def shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's slice of a full Megatron tensor (fused gate/up: each rank holds both halves)."""
+    _, rule = _split_name(name)
+    if rule.tp_dim is None or tp_size == 1:
+        return full
+    if rule.kind == "glu":
+        halves = [torch.chunk(h, tp_size, dim=0)[tp_rank] for h in torch.chunk(full, 2, dim=0)]
+        return torch.cat(halves)
+    if full.shape[rule.tp_dim] % tp_size:
+        raise ValueError(f"{name}: dimension {rule.tp_dim} of {tuple(full.shape)} does not split into {tp_size}")
+    return torch.chunk(full, tp_size, dim=rule.tp_dim)[tp_rank]
+
+
+def gather(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Inverse of ``shard``: the full tensor from every TP rank's slice, in rank order."""
+    _, rule = _split_name(name)
+    if rule.tp_dim is None or len(shards) == 1:
+        return shards[0]
+    if rule.kind == "glu":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(list(shards), dim=rule.tp_dim)
+
+
+def to_hf(arch: ModelArch, named_full: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]]
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs of full Megatron tensors, one Megatron tensor at a time.
+
+    With tied embeddings the output layer is skipped: HF keeps only ``model.embed_tokens``.
+    """
+    for name, tensor in named_full:
+        if arch.tie_word_embeddings and canonical(name) == "output_layer.weight":
+            continue
+        yield from split(arch, name, tensor)
+
+
+def check_tp(arch: ModelArch, tp_size: int) -> None:
+    """Refuse a TP size the model's heads or MLP cannot be split into."""
+    for what, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+                    ("intermediate_size", arch.intermediate_size)):
+        if n % tp_size:
+            raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")
