@@ -1,0 +1,271 @@
+"""HTTP routes of the embedded server: SGLang's native API on top of the engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from megatron_areal.server.engine import Engine, QueueFull
+from megatron_areal.server.protocol import BadRequest, parse_generate, response
+from megatron_areal.server.scheduler import Request
+from megatron_areal.server.weights import WeightError, parse_dtype
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = {"/health", "/health_generate", "/ready", "/metrics"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def _refused(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
+async def _json(request: web.Request, optional: bool = False) -> dict[str, Any]:
+    raw = await request.read()  # over client_max_size: aiohttp raises 413
+    if not raw.strip() and optional:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if key not in body or body[key] is None:
+        if default is ...:
+            raise BadRequest(f"missing field {key!r}")
+        return default
+    value = body[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
+                                                                                 else (kind,))):
+        raise BadRequest(f"{key}: wrong type {type(value).__name__}")
+    return value
+
+
+class Api:
+    def __init__(self, engine: Engine, *, api_key: str | None, tokenizer: Any, served_model_name: str) -> None:
+        self.engine, self.api_key, self.tokenizer = engine, api_key, tokenizer
+        self.served_model_name = served_model_name
+        self.running = asyncio.Event()
+        self.running.set()
+        self.in_flight: set[str] = set()
+
+    def app(self, max_body_bytes: int) -> web.Application:
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
+        r = app.router
+        r.add_route("*", "/generate", self.generate)
+        for path in ("/health", "/health_generate", "/ready"):
+            r.add_get(path, self.health)
+        r.add_post("/pause_generation", self.pause)
+        r.add_post("/continue_generation", self.resume)
+        r.add_post("/abort_request", self.abort)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        r.add_get("/v1/loads", self.loads)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/weights_checksum", self.weights_checksum)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/update_weights_from_distributed", self.update_distributed)
+        r.add_post("/update_weights_from_disk", self.update_disk)
+        r.add_post("/update_weights_from_tensor", self.update_tensor)
+        r.add_post("/begin_weight_update", self.accept)
+        r.add_post("/end_weight_update", self.accept)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.api_key and request.path not in OPEN_PATHS:
+            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error(400, str(e))
+        except WeightError as e:
+            return _refused(str(e))
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return _error(e.status, e.reason or e.text or "error")
+            raise
+
+    # ---- generation ----------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        e = self.engine
+        parsed = parse_generate(body, tokenizer=self.tokenizer, vocab=e.arch.vocab_size, max_len=e.max_len)
+        rids = [rid for rid, _, _ in parsed.prompts]
+        if len(set(rids)) != len(rids) or self.in_flight.intersection(rids):
+            raise BadRequest("rid: a request with this id is already in flight")
+        await self.running.wait()  # paused: wait until /continue_generation
+        loop = asyncio.get_running_loop()
+        futures: dict[str, asyncio.Future[Request]] = {rid: loop.create_future() for rid in rids}
+
+        def on_finish(req: Request) -> None:  # called on the model-runner thread
+            req.finished_at = time.monotonic()
+            loop.call_soon_threadsafe(_resolve, futures[req.rid], req)
+
+        try:
+            e.submit(parsed.prompts, on_finish)
+        except QueueFull as err:
+            return _error(503, str(err))
+        self.in_flight.update(rids)
+        try:
+            done = [await f for f in futures.values()]
+        finally:
+            self.in_flight.difference_update(rids)
+        out = [response(r, return_logprob=parsed.return_logprob, weight_version=e.weight_version,
+                        tokenizer=self.tokenizer) for r in done]
+        return web.json_response(out[0] if parsed.single else out)
+
+    async def health(self, request: web.Request) -> web.Response:
+        alive = self.engine.alive
+        if request.path == "/ready" and self.engine.paused:
+            return web.Response(status=503)
+        return web.Response(status=200 if alive else 503)
+
+    # ---- control -------------------------------------------------------------------------
+    async def pause(self, request: web.Request) -> web.Response:
+        body = await _json(request, optional=True)
+        mode = _field(body, "mode", str, "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode: {mode!r} is not abort, retract or in_place")
+        self.running.clear()
+        await asyncio.to_thread(self.engine.pause, mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await _json(request, optional=True)
+        await asyncio.to_thread(self.engine.resume)
+        self.running.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        body = await _json(request, optional=True)
+        abort_all = _field(body, "abort_all", bool, False)
+        rid = _field(body, "rid", str, "")
+        if abort_all or rid:
+            await asyncio.to_thread(self.engine.abort, None if abort_all else rid)
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if await asyncio.to_thread(self.engine.flush_cache):
+            return web.Response(text="Cache flushed.\n")
+        return web.Response(status=400, text="Cache not flushed: requests are running or queued.\n")
+
+    async def accept(self, request: web.Request) -> web.Response:
+        """begin/end_weight_update: SGLang 0.5.23 requires them; updates here need no bracketing."""
+        await _json(request, optional=True)
+        return web.json_response({"success": True, "message": "ok"})
+
+    # ---- info ----------------------------------------------------------------------------
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        version = _field(body, "new_version", (str, int))
+        if _field(body, "abort_all_requests", bool, True):
+            await asyncio.to_thread(self.engine.abort, None)
+        self.engine.weight_version = str(version)
+        return web.json_response({"success": True, "message": f"weight version {version}"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response({
+            "model_path": e.model_path, "served_model_name": self.served_model_name,
+            "tokenizer_path": e.model_path if self.tokenizer is not None else None, "is_generation": True,
+            "weight_version": e.weight_version, "architectures": [_architecture(e.arch.model_type)],
+            "context_length": e.max_len, "load_format": "safetensors"})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        running, waiting = self.engine.load()
+        usage = running / self.engine.cache.num_slots
+        return web.json_response({"timestamp": time.time(), "version": "megatron-areal", "loads": [
+            {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "token_usage": usage}]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "owned_by": "megatron-areal",
+            "max_model_len": self.engine.max_len}]})
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        """Per-tensor sha256 (optionally after ``?dtype=bfloat16``), to compare weights bitwise."""
+        name = request.query.get("dtype")
+        try:
+            dtype = parse_dtype(name) if name else None
+        except WeightError as err:
+            raise BadRequest(str(err)) from None
+        sums = await asyncio.to_thread(self.engine.checksums, dtype)
+        return web.json_response({"weight_version": self.engine.weight_version, "checksums": sums})
+
+    # ---- weights -------------------------------------------------------------------------
+    async def init_group(self, request: web.Request) -> web.Response:
+        b = await _json(request)
+        await asyncio.to_thread(
+            self.engine.init_group, master_address=_field(b, "master_address", str),
+            master_port=_field(b, "master_port", int), rank_offset=_field(b, "rank_offset", int),
+            world_size=_field(b, "world_size", int),
+            group_name=_field(b, "group_name", str, "weight_update_group"),
+            backend=_field(b, "backend", str, "nccl" if self.engine.device.type == "cuda" else "gloo"))
+        return web.json_response({"success": True, "message": "joined the weight update group"})
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        b = await _json(request, optional=True)
+        await asyncio.to_thread(self.engine.destroy_group, _field(b, "group_name", str, "weight_update_group"))
+        return web.json_response({"success": True, "message": "destroyed"})
+
+    async def update_distributed(self, request: web.Request) -> web.Response:
+        b = await _json(request)
+        names, dtypes, shapes = _field(b, "names", list), _field(b, "dtypes", list), _field(b, "shapes", list)
+        if not (len(names) == len(dtypes) == len(shapes)) or not all(isinstance(n, str) for n in names) \
+                or not all(isinstance(s, list) for s in shapes):
+            raise BadRequest("names, dtypes and shapes must be lists of equal length")
+        load_format = _field(b, "load_format", str, "")
+        if load_format not in ("", "flattened_bucket"):
+            raise BadRequest(f"load_format {load_format!r} is not supported")
+        version = _field(b, "weight_version", (str, int), None)
+        if _field(b, "abort_all_requests", bool, False):
+            await asyncio.to_thread(self.engine.abort, None)
+        await asyncio.to_thread(
+            self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
+            group_name=_field(b, "group_name", str, "weight_update_group"),
+            version=None if version is None else str(version), flattened=load_format == "flattened_bucket")
+        return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
+
+    async def update_disk(self, request: web.Request) -> web.Response:
+        b = await _json(request)
+        path = _field(b, "model_path", str)
+        version = _field(b, "weight_version", (str, int), None)
+        if _field(b, "abort_all_requests", bool, False):
+            await asyncio.to_thread(self.engine.abort, None)
+        await asyncio.to_thread(self.engine.update_from_disk, path, None if version is None else str(version))
+        return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
+
+    async def update_tensor(self, request: web.Request) -> web.Response:
+        return _refused("update_weights_from_tensor needs CUDA IPC on one node; use "
+                        "/update_weights_from_distributed")
+
+
+def _resolve(future: asyncio.Future[Request], req: Request) -> None:
+    if not future.done():
+        future.set_result(req)
+
+
+def _architecture(model_type: str) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]

@@ -1,0 +1,123 @@
+"""``megatron-areal serve``: run the embedded SGLang-compatible server on one model folder."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from megatron_areal.server.api import Api
+from megatron_areal.server.engine import Engine, EngineOptions
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-areal serve", description=__doc__)
+    p.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' except on /health")
+    p.add_argument("--max-running", type=int, default=32, help="sequences decoded together (KV cache slots)")
+    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before answering 503")
+    p.add_argument("--context-length", type=int, default=None, help="tokens per KV slot (prompt + output)")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill batch")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="serve input_ids only")
+    p.add_argument("--register-dir", default=None, help="write DIR/<server-id> (url, pid, model) once healthy")
+    p.add_argument("--server-id", default=None, help="name of the registration file (default: host-port)")
+    args = p.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there (is it a Hugging Face model folder?)")
+    for flag in ("max_running", "max_queue", "max_prefill_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    return args
+
+
+def load_tokenizer(model: str) -> Any:
+    folder = Path(model)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def write_registration(directory: str, server_id: str, info: dict[str, Any]) -> Path:
+    """Atomic: a reader sees the whole file or none of it."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / server_id
+    tmp = folder / f".{server_id}.{uuid.uuid4().hex}.tmp"
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+    return path
+
+
+async def serve(args: argparse.Namespace) -> None:
+    opts = EngineOptions(max_running=args.max_running, max_queue=args.max_queue,
+                         context_length=args.context_length, max_prefill_tokens=args.max_prefill_tokens,
+                         seed=args.seed, device=args.device, dtype=args.dtype, weight_version=args.weight_version)
+    engine = await asyncio.to_thread(Engine, args.model, opts)
+    tokenizer = None if args.skip_tokenizer_init else await asyncio.to_thread(load_tokenizer, args.model)
+    api = Api(engine, api_key=args.api_key, tokenizer=tokenizer, served_model_name=args.model)
+    runner = web.AppRunner(api.app(int(args.max_body_mb * 2**20)), access_log=None, handler_cancellation=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    await site.start()
+    port = _bound_port(runner, args.port)
+    engine.start()
+    url = f"http://{args.host}:{port}"
+    log.info("serving %s at %s", args.model, url)
+    print(f"READY {url}", flush=True)  # a parent process reads this line to learn the port
+    registration = None
+    if args.register_dir:
+        server_id = args.server_id or f"{socket.gethostname()}-{port}"
+        registration = write_registration(args.register_dir, server_id,
+                                          {"url": url, "pid": os.getpid(), "model": args.model})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        if registration is not None:
+            registration.unlink(missing_ok=True)
+        log.info("shutting down")
+        await asyncio.to_thread(engine.stop)
+        await runner.cleanup()
+
+
+def _bound_port(runner: web.AppRunner, requested: int) -> int:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return int(addr[1])
+    return requested
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

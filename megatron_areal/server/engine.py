@@ -1,0 +1,285 @@
+"""The inference engine: a model runner thread stepping the scheduler, plus control operations.
+
+Only this module touches the model and the device. HTTP handlers submit requests through a
+thread-safe inbox (so the event loop never waits for a model step) and run control operations
+(pause, abort, weight updates) in worker threads that take the engine lock between steps.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_areal.convert.arch import ModelArch, load_arch
+from megatron_areal.realloc.group import WeightUpdateGroup
+from megatron_areal.server.kv_cache import KVCache
+from megatron_areal.server.model import CausalLM, ForwardBatch
+from megatron_areal.server.sampler import SamplingParams, sample
+from megatron_areal.server.scheduler import Request, Scheduler
+from megatron_areal.server.weights import WeightError, checksums, load_weights, parse_dtype, read_safetensors
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    max_running: int = 32
+    max_queue: int = 1024
+    context_length: int | None = None  # default: min(max_position_embeddings, 2048)
+    max_prefill_tokens: int = 8192
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    weight_version: str = "default"
+
+
+class Engine:
+    def __init__(self, model_path: str, opts: EngineOptions) -> None:
+        self.model_path, self.opts = str(model_path), opts
+        self.arch: ModelArch = load_arch(model_path)
+        self.device = torch.device(opts.device)
+        self.dtype = parse_dtype(opts.dtype) if opts.dtype else (
+            torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.max_len = opts.context_length or min(self.arch.max_position_embeddings, 2048)
+        self.model = CausalLM(self.arch).to(dtype=self.dtype)
+        load_weights(self.model, read_safetensors(model_path), complete=True)
+        self.model.to(self.device).eval()
+        self.cache = KVCache(self.arch, opts.max_running, self.max_len, self.dtype, self.device)
+        self.scheduler = Scheduler(max_running=opts.max_running, max_len=self.max_len,
+                                   eos_ids=self.arch.eos_token_ids,
+                                   max_prefill_tokens=opts.max_prefill_tokens)
+        self.weight_version = opts.weight_version
+        self.paused = False
+        self.groups: dict[str, WeightUpdateGroup] = {}
+        self._seeds = random.Random(opts.seed)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._inbox_lock = threading.Lock()
+        self._queued = 0  # inbox + waiting, checked against max_queue without the engine lock
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="model-runner", daemon=True)
+        log.info("engine: %s (%s, %d layers) on %s/%s, %d slots x %d tokens, KV %.1f MiB",
+                 model_path, self.arch.model_type, self.arch.num_layers, self.device, self.dtype,
+                 opts.max_running, self.max_len, self.cache.bytes / 2**20)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join(timeout=30)
+        self._finish_all(self.scheduler.take(lambda r: True) + self._drain_inbox(), "server shutting down")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- requests ------------------------------------------------------------------------
+    def submit(self, prompts: list[tuple[str, list[int], SamplingParams]],
+               on_finish: Callable[[Request], None]) -> list[Request]:
+        """Queue requests (all or none); raises QueueFull past ``max_queue``."""
+        with self._inbox_lock:
+            if self._queued + len(prompts) > self.opts.max_queue:
+                raise QueueFull(f"queue full ({self._queued} waiting, limit {self.opts.max_queue})")
+            reqs = []
+            for rid, ids, params in prompts:
+                seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+                gen = torch.Generator().manual_seed(seed)
+                reqs.append(Request(rid=rid, prompt_ids=ids, params=params, generator=gen, on_finish=on_finish))
+            self._inbox.extend(reqs)
+            self._queued += len(reqs)
+        with self._wake:
+            self._wake.notify_all()
+        return reqs
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.scheduler.running), self._queued
+
+    def _drain_inbox(self) -> list[Request]:
+        with self._inbox_lock:
+            reqs, self._inbox = self._inbox, []
+        return reqs
+
+    # ---- the model runner loop -----------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and (self.paused or not (self.scheduler.has_work() or self._inbox)):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                self.scheduler.waiting.extend(self._drain_inbox())
+                try:
+                    self._step()
+                except Exception as e:  # a failed step must not kill the server silently
+                    log.exception("model step failed")
+                    self._finish_all(self.scheduler.take(lambda r: True), f"internal error: {e}")
+
+    def _step(self) -> None:
+        plan = self.scheduler.plan(self.cache.free_slots)
+        if plan.prefill:
+            for r in plan.prefill:
+                r.slot = self.cache.allocate()
+            rows = [r.all_ids for r in plan.prefill]
+            self._forward_and_sample(plan.prefill, rows, [0] * len(rows))
+        if plan.decode:
+            rows = [[r.output_ids[-1]] for r in plan.decode]
+            self._forward_and_sample(plan.decode, rows, [len(r.all_ids) - 1 for r in plan.decode])
+        finished = [r for r in plan.prefill + plan.decode if r.finish_reason is not None]
+        self.scheduler.running = [r for r in self.scheduler.running + plan.prefill if r.finish_reason is None]
+        self._set_queued(len(self.scheduler.waiting))
+        for r in finished:
+            self._release(r)
+            r.on_finish(r)
+
+    def _forward_and_sample(self, reqs: list[Request], rows: list[list[int]], starts: list[int]) -> None:
+        t = max(map(len, rows))
+        tokens = torch.tensor([row + [0] * (t - len(row)) for row in rows], dtype=torch.long, device=self.device)
+        batch = ForwardBatch([r.slot for r in reqs], starts, [len(row) for row in rows], self.device)
+        logits = self.model(tokens, batch, self.cache)
+        ids, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for r, tok, lp in zip(reqs, ids.tolist(), logprobs.tolist(), strict=True):
+            self.scheduler.append_token(r, tok, lp, self.weight_version)
+
+    def _release(self, r: Request) -> None:
+        if r.slot is not None:
+            self.cache.release(r.slot)
+            r.slot = None
+
+    def _finish_all(self, reqs: list[Request], message: str, status: int = 200) -> None:
+        for r in reqs:
+            self._release(r)
+            r.finish_reason = {"type": "abort", "message": message, "status_code": status, "err_type": None}
+            r.on_finish(r)
+
+    # ---- control (called from worker threads) -------------------------------------------
+    def pause(self, mode: str) -> None:
+        with self._wake:
+            self.paused = True
+            self.scheduler.waiting.extend(self._drain_inbox())
+            if mode == "abort":
+                taken = self.scheduler.take(lambda r: True)
+                self._set_queued(0)
+                self._finish_all(taken, "paused for a weight update")
+            elif mode == "retract":
+                self._retract()
+
+    def resume(self) -> None:
+        with self._wake:
+            self.paused = False
+            self._wake.notify_all()
+
+    def abort(self, rid: str | None) -> int:
+        with self._wake:
+            self.scheduler.waiting.extend(self._drain_inbox())
+            taken = self.scheduler.take(lambda r: rid is None or r.matches(rid))
+            self._set_queued(len(self.scheduler.waiting))
+            self._finish_all(taken, "aborted by request")
+            return len(taken)
+
+    def flush_cache(self) -> bool:
+        """Allowed only when idle (queued requests don't count while paused), as in SGLang.
+
+        There is no cross-request prefix cache, so there is nothing to free beyond the slots,
+        which belong to running requests.
+        """
+        with self._wake:
+            return not self.scheduler.running and (self.paused or not (self.scheduler.waiting or self._inbox))
+
+    def _retract(self) -> None:
+        for r in self.scheduler.retract_all():
+            self._release(r)
+        self._set_queued(len(self.scheduler.waiting) + len(self._inbox))
+
+    def _set_queued(self, n: int) -> None:
+        with self._inbox_lock:
+            self._queued = n + len(self._inbox)
+
+    # ---- weights -------------------------------------------------------------------------
+    def update_from_disk(self, model_path: str, version: str | None) -> None:
+        tensors = read_safetensors(model_path)
+        self._install(tensors, version, complete=True)
+        self.model_path = str(model_path)
+
+    def checksums(self, dtype: torch.dtype | None) -> dict[str, dict[str, object]]:
+        with self._lock:
+            return checksums(self.model, dtype)
+
+    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str, timeout_s: float = 300.0) -> None:
+        if group_name in self.groups:
+            raise WeightError(f"weight update group {group_name!r} already exists")
+        try:
+            self.groups[group_name] = WeightUpdateGroup(
+                master_address=master_address, master_port=master_port, rank=rank_offset,
+                world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s)
+        except (RuntimeError, ValueError) as e:  # timeouts and refused connections included
+            raise WeightError(f"could not join weight update group {group_name!r} at "
+                              f"{master_address}:{master_port}: {e}") from None
+
+    def destroy_group(self, group_name: str) -> None:
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            raise WeightError(f"no weight update group {group_name!r}")
+        group.destroy()
+
+    def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                group_name: str, version: str | None, flattened: bool) -> None:
+        """Receive one bucket broadcast from group rank 0, then install it.
+
+        Tensors are received even when they will be refused, so the trainer's collective
+        completes; the check happens before anything is copied into the model.
+        """
+        group = self.groups.get(group_name)
+        if group is None:
+            raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group")
+        try:
+            specs = [(n, parse_dtype(d), [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        except (TypeError, ValueError) as e:
+            raise WeightError(f"bad tensor metadata: {e}") from None
+        tensors = _receive(group, specs, flattened)
+        self._install(tensors, version, complete=False)
+
+    def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool) -> None:
+        with self._wake:
+            load_weights(self.model, tensors, complete=complete)
+            if version is not None:
+                self.weight_version = str(version)
+            # The KV of running requests was computed with the old weights: drop it; they are
+            # prefilled again from prompt + tokens so far, under the new weights.
+            self._retract()
+            self._wake.notify_all()
+        log.info("weights updated (%d tensors), version %s", len(tensors), self.weight_version)
+
+
+def _receive(group: WeightUpdateGroup, specs: list[tuple[str, torch.dtype, list[int]]],
+             flattened: bool) -> dict[str, torch.Tensor]:
+    if not flattened:
+        out = {}
+        for name, dtype, shape in specs:
+            t = torch.empty(shape, dtype=dtype, device=group.device)
+            group.broadcast(t, src=0)
+            out[name] = t
+        return out
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in specs]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+    group.broadcast(buf, src=0)
+    out, offset = {}, 0
+    for (name, dtype, shape), size in zip(specs, sizes, strict=True):
+        out[name] = buf[offset:offset + size].view(dtype).view(shape)
+        offset += size
+    return out
+

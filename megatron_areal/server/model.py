@@ -1,0 +1,163 @@
+"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 dense families, with a slot KV cache.
+
+Module names mirror the Hugging Face checkpoints, so ``state_dict()`` keys are the HF tensor names
+and weights load (from disk or from the trainer) without a name map.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_areal.convert.arch import ModelArch
+from megatron_areal.server.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding, with the scalings our families use."""
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), \
+            float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported by the embedded server")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; cos/sin: [B, T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.q_proj = nn.Linear(h, arch.num_heads * d, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.qk_norm = arch.qk_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write_and_read(layer, batch.slots, batch.starts, k, v, batch.kv_len)
+        # [B, H, T, D] x [B, KVH, L, D]; the mask lets query i see keys at positions <= start + i.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=batch.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ForwardBatch:
+    """Rows of one forward pass: row r writes tokens at positions starts[r] .. starts[r]+T-1.
+
+    Rows shorter than T are right-padded; their padded positions write KV beyond the row's
+    length, which no real query sees and which the next real token overwrites.
+    """
+
+    def __init__(self, slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> None:
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.starts = torch.tensor(starts, dtype=torch.long, device=device)
+        self.lengths = torch.tensor(lengths, dtype=torch.long, device=device)
+        self.t = max(lengths)
+        self.kv_len = max(s + self.t for s in starts)
+        offsets = torch.arange(self.t, device=device)
+        self.positions = self.starts[:, None] + offsets[None, :]  # [B, T]
+        key_pos = torch.arange(self.kv_len, device=device)
+        self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, L]
+        self.last = self.lengths - 1  # index of each row's last real token
+
+
+class CausalLM(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.arch.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """tokens [B, T] -> fp32 logits of each row's last real token, [B, vocab]."""
+        x = self.model.embed_tokens(tokens)
+        freqs = batch.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, batch)
+        last = x[torch.arange(x.shape[0], device=x.device), batch.last]
+        return F.linear(self.model.norm(last), self.output_weight()).float()

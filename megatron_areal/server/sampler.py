@@ -1,0 +1,69 @@
+"""Token sampling for a batch of rows, each with its own parameters and random stream.
+
+The returned logprob is SGLang's default: ``log_softmax(logits / T)`` at the chosen token, with
+temperature applied and top-p/top-k truncation not; greedy rows use T = 1. Each request draws
+from its own seeded generator, so its tokens do not depend on which other requests share the
+batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None  # SGLang's sampling_seed
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32 -> (token ids [B], logprobs [B])."""
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        sampled = _sample_rows(logprobs, params, generators)
+        tokens = torch.where(greedy, tokens, sampled)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, chosen
+
+
+def _sample_rows(logprobs: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator]) -> torch.Tensor:
+    """Inverse-CDF sampling with one uniform per row from that row's generator.
+
+    ``right=True`` picks the first index whose CDF exceeds the draw, never a zero-mass token.
+    """
+    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(logprobs.device)
+    probs = logprobs.exp()
+    truncate = any(p.top_p < 1.0 or p.top_k > 0 for p in params if not p.greedy)
+    if not truncate:
+        cdf = probs.cumsum(-1)
+        idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+        return idx.clamp_(max=probs.shape[-1] - 1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device)
+    top_p = torch.tensor([p.top_p for p in params], device=probs.device)
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each candidate
+    keep = (ranks < top_k[:, None]) & (before < top_p[:, None])
+    sorted_p = sorted_p * keep
+    cdf = sorted_p.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+    return order.gather(1, idx).squeeze(1)

@@ -1,0 +1,102 @@
+"""Continuous batching: which requests prefill and decode at each step, and when they finish.
+
+Pure bookkeeping, no tensors: the engine asks for a plan, runs the model and reports tokens back.
+A request holds a KV slot from its prefill until it finishes, is aborted or is retracted (sent
+back to the queue with its tokens so far, to be prefilled again, e.g. under new weights).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_areal.server.sampler import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    on_finish: Callable[[Request], None]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
+    slot: int | None = None
+    finish_reason: dict[str, Any] | None = None
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float = 0.0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def matches(self, rid: str) -> bool:
+        """Exact rid, or a child of a batch/n>1 request (``rid_i``)."""
+        return self.rid == rid or self.rid.startswith(rid + "_")
+
+
+@dataclass
+class Plan:
+    prefill: list[Request]
+    decode: list[Request]
+
+
+class Scheduler:
+    def __init__(self, *, max_running: int, max_len: int, eos_ids: tuple[int, ...],
+                 max_prefill_tokens: int = 8192) -> None:
+        self.max_running, self.max_len = max_running, max_len
+        self.eos_ids = frozenset(eos_ids)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def plan(self, free_slots: int) -> Plan:
+        """Admit queued requests while slots and the padded prefill budget allow."""
+        decode = list(self.running)
+        prefill: list[Request] = []
+        longest = 0
+        while self.waiting and len(prefill) < free_slots:
+            n = len(self.waiting[0].all_ids)
+            if prefill and max(longest, n) * (len(prefill) + 1) > self.max_prefill_tokens:
+                break
+            longest = max(longest, n)
+            prefill.append(self.waiting.popleft())
+        return Plan(prefill=prefill, decode=decode)
+
+    def append_token(self, req: Request, token: int, logprob: float, version: str) -> bool:
+        """Record a generated token; returns True when the request is finished."""
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.output_versions.append(version)
+        p = req.params
+        n = len(req.output_ids)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        if token in stops and n >= p.min_new_tokens:
+            req.finish_reason = {"type": "stop", "matched": token}
+        elif n >= p.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": n}
+        elif len(req.all_ids) >= self.max_len:
+            req.finish_reason = {"type": "length", "length": n}
+        return req.finish_reason is not None
+
+    def take(self, predicate: Callable[[Request], bool]) -> list[Request]:
+        """Remove and return matching requests, running and waiting."""
+        taken = [r for r in self.running if predicate(r)] + [r for r in self.waiting if predicate(r)]
+        self.running = [r for r in self.running if not predicate(r)]
+        self.waiting = deque(r for r in self.waiting if not predicate(r))
+        return taken
+
+    def retract_all(self) -> list[Request]:
+        """Send running requests back to the front of the queue, keeping their tokens."""
+        retracted, self.running = self.running, []
+        self.waiting.extendleft(reversed(retracted))
+        return retracted
