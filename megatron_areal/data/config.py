@@ -8,11 +8,15 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train: str = "arithmetic"  # a JSONL file, or a built-in task name
+    train: str = "arithmetic"  # a JSONL file, or a built-in task name (megatron_areal.data.BUILTIN_TASKS)
+    train_size: int = 0  # prompts to load; 0: the whole dataset, or the generator's default size
     eval: str = "arithmetic-eval"
-    eval_size: int = 200
-    chat_template: bool = True
+    eval_size: int = 200  # 0: the whole eval dataset
+    chat_template: bool = True  # wrap prompts with the tokenizer's chat template
+    shuffle: bool = True  # a fresh seeded order of the training prompts every epoch
     seed: int = 0
 
     def validate(self) -> None:
+        require(bool(self.train), "train", "must name a built-in task or a JSONL file")
+        require(self.train_size >= 0, "train_size", "must be >= 0")
         require(self.eval_size >= 0, "eval_size", "must be >= 0")
