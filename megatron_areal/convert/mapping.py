@@ -71,6 +71,15 @@ def canonical(name: str) -> str:
     return name
 
 
+def te_name(name: str) -> str:
+    """Inverse of ``canonical``: the Transformer-Engine name Megatron checkpoints use for fused norms."""
+    m = _LAYER.match(name)
+    inverse = {v: k for k, v in _TE_ALIASES.items()}
+    if m and m.group(2) in inverse:
+        return f"decoder.layers.{m.group(1)}.{inverse[m.group(2)]}"
+    return name
+
+
 def global_name(local_name: str, layer_offset: int) -> str:
     """Turn a pipeline stage's parameter name into the whole-model name."""
     m = _LAYER.match(local_name)

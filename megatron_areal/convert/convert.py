@@ -1,0 +1,97 @@
+"""HF folder <-> Megatron distributed checkpoint, the two directions of ``megatron-areal convert``.
+
+``hf_to_mcore`` validates the HF folder in the calling process (so bad input fails fast with a
+clear message), then runs ``tp * pp`` ranks that each build their pipeline stage, fill it with
+their TP slice of the HF weights and write their shards. ``mcore_to_hf`` needs no model and no
+process group: it reads global tensors from the checkpoint one layer at a time. Both write into a
+temporary sibling directory that is renamed into place only when everything succeeded.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_areal.convert import dist_ckpt, mapping
+from megatron_areal.convert.arch import load_arch
+from megatron_areal.convert.hf_io import HFReader, atomic_dir, copy_non_weights, write_hf_weights
+from megatron_areal.convert.spawn import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class LayoutError(ValueError):
+    """A TP/PP layout the model cannot be split into."""
+
+
+def save_hf_as_mcore_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str = "float32") -> float:
+    """One rank of ``hf_to_mcore`` (runs inside a worker of the pool); returns its seconds."""
+    from megatron_areal.actor.model import build_model
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.convert.weights import load_hf_weights
+
+    start = time.time()
+    arch = load_arch(hf_dir)
+    groups = init_parallel(tp=tp, pp=pp, backend="gloo")
+    try:
+        chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, dtype=getattr(torch, dtype))
+        load_hf_weights(chunks, hf_dir, arch, groups.tp_rank, groups.tp)
+        dist_ckpt.save_model(chunks, out_dir)
+    finally:
+        teardown_parallel()
+    return time.time() - start
+
+
+def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1,
+                pool: WorkerPool | None = None) -> Path:
+    """Convert an HF folder into a Megatron distributed checkpoint saved at layout (tp, pp)."""
+    from megatron_areal.actor.model import check_layout
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    arch = load_arch(hf_dir)
+    try:
+        check_layout(arch, tp, pp)
+    except ValueError as e:
+        raise LayoutError(f"{hf_dir / 'config.json'}: {e}") from None
+    hf_dtype = HFReader(hf_dir, arch).dtype()  # validates every tensor's presence and shape
+    own_pool = pool is None
+    pool = pool or WorkerPool(tp * pp)
+    if pool.world != tp * pp:
+        raise ValueError(f"worker pool has {pool.world} ranks, layout tp={tp} pp={pp} needs {tp * pp}")
+    try:
+        with atomic_dir(out_dir) as tmp:
+            pool.run(save_hf_as_mcore_rank, str(hf_dir), str(tmp), tp, pp)
+            dist_ckpt.write_meta(tmp, arch, hf_dir, hf_dtype, tp, pp)
+    finally:
+        if own_pool:
+            pool.close()
+    log.info("wrote Megatron checkpoint %s (tp=%d pp=%d) from %s", out_dir, tp, pp, hf_dir)
+    return out_dir
+
+
+def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Convert a Megatron checkpoint (conversion or training) back into an HF folder."""
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    meta = dist_ckpt.read_meta(ckpt_dir)
+    arch = dist_ckpt.hf_arch_from_ckpt(ckpt_dir)
+    dist_ckpt.check_same_model(ckpt_dir, arch)
+    dtype = dtype or getattr(torch, meta["hf_dtype"])
+    with atomic_dir(out_dir) as tmp, dist_ckpt.local_process_group():
+        tensors = ((n, t.to(dtype)) for n, t in dist_ckpt.read_hf_tensors(ckpt_dir, arch))
+        write_hf_weights(tmp, _checked(arch, tensors))
+        if (ckpt_dir / dist_ckpt.HF_FILES).is_dir():
+            copy_non_weights(ckpt_dir / dist_ckpt.HF_FILES, tmp)
+    log.info("wrote HF folder %s from %s", out_dir, ckpt_dir)
+    return out_dir
+
+
+def _checked(arch, tensors):
+    """Pass tensors through, refusing any whose shape does not match the config."""
+    for name, t in tensors:
+        want = mapping.hf_shape(arch, name)
+        if tuple(t.shape) != want:
+            raise dist_ckpt.CheckpointMismatchError(f"{name}: checkpoint holds shape {tuple(t.shape)}, "
+                                                    f"the config implies {want}")
+        yield name, t

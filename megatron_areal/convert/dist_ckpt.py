@@ -1,0 +1,178 @@
+"""Megatron distributed checkpoints of the model, plus what is needed to turn them back into HF.
+
+A checkpoint directory is a ``megatron.core.dist_checkpointing`` directory (global tensors, so it
+loads at any TP/PP layout) with two additions:
+
+- ``megatron_areal.json``: the architecture, the dtype of the original HF weights and the layout
+  it was saved at; loading into a different model is refused with an error naming this file;
+- ``hf/``: the original config and tokenizer files, copied through on the way back to HF.
+
+Megatron stores transformer layers stacked along a leading layer axis under one key
+(``decoder.layers.self_attention.linear_qkv.weight`` has shape ``[num_layers, ...]``) and uses the
+Transformer-Engine names for the fused norms; ``read_hf_tensors`` undoes both, one layer at a
+time, without building a model or a process group.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_areal.convert import mapping
+from megatron_areal.convert.arch import ModelArch, arch_from_hf_config
+from megatron_areal.convert.hf_io import non_weight_files
+
+log = logging.getLogger(__name__)
+
+META = "megatron_areal.json"
+HF_FILES = "hf"
+FORMAT_VERSION = 1
+_STACKED = "decoder.layers."
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that does not belong to the model it is loaded into."""
+
+
+def write_meta(ckpt_dir: Path, arch: ModelArch, hf_dir: Path | None, hf_dtype: torch.dtype,
+               tp: int, pp: int) -> None:
+    """Describe the model next to the tensors; copy the HF config and tokenizer files along."""
+    meta = {"format_version": FORMAT_VERSION, "arch": arch.to_dict(), "hf_dtype": str(hf_dtype).removeprefix("torch."),
+            "saved_tp": tp, "saved_pp": pp}
+    (ckpt_dir / META).write_text(json.dumps(meta, indent=2))
+    if hf_dir is not None:
+        dst = ckpt_dir / HF_FILES
+        dst.mkdir(exist_ok=True)
+        for path in non_weight_files(Path(hf_dir)):
+            shutil.copy2(path, dst / path.name)
+
+
+def copy_meta(src_ckpt: Path, dst_ckpt: Path) -> None:
+    """Carry a checkpoint's description into another checkpoint of the same model."""
+    shutil.copy2(src_ckpt / META, dst_ckpt / META)
+    if (src_ckpt / HF_FILES).is_dir():
+        shutil.copytree(src_ckpt / HF_FILES, dst_ckpt / HF_FILES, dirs_exist_ok=True)
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    path = Path(ckpt_dir) / META
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; {ckpt_dir} is not a megatron-areal checkpoint")
+    try:
+        meta = json.loads(path.read_text())
+        meta["arch_obj"] = ModelArch(**{k: tuple(v) if k == "eos_token_ids" else v for k, v in meta["arch"].items()})
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointMismatchError(f"{path}: unreadable checkpoint description ({e})") from None
+    return meta
+
+
+def check_same_model(ckpt_dir: str | Path, arch: ModelArch) -> None:
+    """Refuse to load a checkpoint of another model, naming the first differing field."""
+    saved = read_meta(ckpt_dir)["arch_obj"]
+    for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings"):
+        if getattr(saved, field) != getattr(arch, field):
+            raise CheckpointMismatchError(
+                f"{Path(ckpt_dir) / META}: checkpoint is of another model ({field}={getattr(saved, field)!r}, "
+                f"this model has {getattr(arch, field)!r})")
+
+
+def hf_arch_from_ckpt(ckpt_dir: Path) -> ModelArch:
+    """The architecture, preferring the copied HF config (the source of truth) when present."""
+    config = ckpt_dir / HF_FILES / "config.json"
+    if config.is_file():
+        return arch_from_hf_config(json.loads(config.read_text()), source=str(config))
+    return read_meta(ckpt_dir)["arch_obj"]
+
+
+def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def load_model_state(chunks: Sequence[torch.nn.Module], state: dict[str, Any]) -> None:
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state, strict=False)
+        return
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state[f"model{i}"], strict=False)
+
+
+def save_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
+    """Collective over all ranks: write this rank's shards of the model into ``ckpt_dir``."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
+
+
+def load_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path, arch: ModelArch) -> None:
+    """Collective: fill the chunks from a checkpoint saved at any TP/PP layout."""
+    from megatron.core import dist_checkpointing
+
+    check_same_model(ckpt_dir, arch)
+    state = dist_checkpointing.load(model_sharded_state_dict(chunks), str(ckpt_dir))
+    load_model_state(chunks, state)
+
+
+def _load_full(ckpt_dir: Path, metadata: dict[str, Any], keys: list[str]) -> dict[str, torch.Tensor]:
+    """Whole global tensors by checkpoint key (a one-rank world cannot load partial regions)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(tuple(metadata[k].global_shape),
+                                                                 dtype=metadata[k].dtype), replica_id=0)
+               for k in keys}
+    return dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
+
+
+def _checkpoint_key(name: str) -> tuple[str, int | None]:
+    """Checkpoint key of a global Megatron name and its index on the stacked layer axis."""
+    if not name.startswith(_STACKED):
+        return name, None
+    layer, rest = mapping.te_name(name)[len(_STACKED):].split(".", 1)
+    return _STACKED + rest, int(layer)
+
+
+@contextmanager
+def local_process_group() -> Iterator[None]:
+    """A one-rank gloo world for dist_checkpointing calls made outside a distributed job."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def read_hf_tensors(ckpt_dir: str | Path, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs of a checkpoint, in HF order, one layer's tensors in memory at a time.
+
+    Outside a distributed job, run it inside ``local_process_group()``.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = Path(ckpt_dir)
+    metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    names = mapping.mcore_names(arch)
+    keys = sorted({_checkpoint_key(n)[0] for n in names})
+    missing = [k for k in keys if k not in metadata]
+    if missing:
+        raise CheckpointMismatchError(f"{ckpt_dir}: checkpoint lacks {missing[0]} (is it a {arch.model_type} model?)")
+    for key in keys:
+        if key.startswith(_STACKED) and metadata[key].global_shape[0] != arch.num_layers:
+            raise CheckpointMismatchError(f"{ckpt_dir}: {key} holds {metadata[key].global_shape[0]} layers, "
+                                          f"the model has {arch.num_layers}")
+    loaded = _load_full(ckpt_dir, metadata, keys)
+    for name in names:
+        key, layer = _checkpoint_key(name)
+        yield from mapping.split(arch, name, loaded[key] if layer is None else loaded[key][layer])
