@@ -8,12 +8,25 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class ClusterConfig:
-    nodes: int = 1
-    gpus_per_node: int = 0  # 0: CPU machine
-    gen_fraction: float = 0.75  # share of GPUs that run rollout servers
-    master_port: int = 29500
+    nodes: int = 1  # what --dry-run plans for when not given --nodes; Slurm uses the allocation
+    gpus_per_node: int = 0  # 0: CPU nodes (embedded servers, gloo trainer)
+    gen_fraction: float = 0.75  # share of nodes that run rollout servers (when gen_nodes is 0)
+    gen_nodes: int = 0  # rollout nodes; 0: round(nodes * gen_fraction), at least one of each role
+    master_port: int = 29500  # torchrun rendezvous on the first trainer node
+    cpu_dp: int = 1  # data-parallel size of a CPU trainer node (GPU: trainer GPUs / (tp * pp))
+    server_port_stride: int = 10  # ports reserved per server (SGLang opens a few next to --port)
+    gpu_memory_gb: float = 80.0  # per GPU, for the dry-run memory check
+    model_params_b: float = 0.0  # billions of parameters; 0: count them from the model's config.json
+    stop_grace_s: float = 10.0  # SIGTERM -> SIGKILL delay when stopping child processes
 
     def validate(self) -> None:
         require(self.nodes >= 1, "nodes", "must be >= 1")
         require(self.gpus_per_node >= 0, "gpus_per_node", "must be >= 0")
         require(0 < self.gen_fraction < 1, "gen_fraction", "must be in (0, 1)")
+        require(self.gen_nodes >= 0, "gen_nodes", "must be >= 0")
+        require(1024 <= self.master_port <= 65535, "master_port", "must be a port in 1024..65535")
+        require(self.cpu_dp >= 1, "cpu_dp", "must be >= 1")
+        require(self.server_port_stride >= 1, "server_port_stride", "must be >= 1")
+        require(self.gpu_memory_gb > 0, "gpu_memory_gb", "must be positive")
+        require(self.model_params_b >= 0, "model_params_b", "must be >= 0")
+        require(self.stop_grace_s >= 0, "stop_grace_s", "must be >= 0")

@@ -1,0 +1,137 @@
+"""Checks of a plan against the run's configuration: memory, staleness bound, ports, shapes.
+
+Everything here is arithmetic on the plan and the config, so ``--dry-run`` can tell a user before
+the job queues for hours that 32B weights plus Adam state do not fit, or that ``eta`` is unset.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from megatron_areal.config import Config
+from megatron_areal.convert.arch import ModelArch, UnsupportedModelError, load_arch
+from megatron_areal.launch.plan import Plan
+
+GB = 1e9
+# Bytes per parameter of the trainer's model state in bf16 mixed precision (Megatron's accounting):
+# bf16 weights 2 + fp32 gradients 4, plus fp32 master weights 4 and Adam moments 4 + 4, which the
+# distributed optimizer shards over data-parallel ranks.
+WEIGHT_GRAD_BYTES = 6
+OPTIMIZER_BYTES = 12
+# The paper's staleness ablation: AIME24 holds up to eta = 8 with decoupled PPO and drops at 16.
+ETA_WARN_ABOVE = 8
+
+
+def count_params(arch: ModelArch) -> int:
+    """Parameters of a dense llama/qwen2/qwen3 model."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if arch.qkv_bias else 0) + (2 * hd if arch.qk_norm else 0)
+    mlp = 3 * h * arch.intermediate_size
+    layer = attn + mlp + 2 * h
+    embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_layers * layer + embed + h
+
+
+def model_arch(cfg: Config) -> ModelArch | None:
+    """The architecture when the model path is a local HF folder (built-in names are not resolved:
+    that may convert a model, and a dry-run must be instant)."""
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        return load_arch(path)
+    except (UnsupportedModelError, FileNotFoundError):
+        return None
+
+
+def model_params(cfg: Config, arch: ModelArch | None) -> float | None:
+    if arch is not None:
+        return float(count_params(arch))
+    return cfg.cluster.model_params_b * 1e9 if cfg.cluster.model_params_b > 0 else None
+
+
+def check_plan(plan: Plan, cfg: Config, eta_explicit: bool) -> None:
+    """Append failed checks to ``plan.errors`` (and softer findings to ``plan.warnings``)."""
+    _check_eta(plan, cfg, eta_explicit)
+    _check_ports(plan)
+    _check_batch(plan, cfg)
+    arch = model_arch(cfg)
+    if arch is not None:
+        _check_shapes(plan, arch, cfg)
+    if plan.gpus_per_node > 0:
+        params = model_params(cfg, arch)
+        if params is None:
+            plan.errors.append(f"cannot size the model: {cfg.model.path} is not a local HF folder; "
+                               "set cluster.model_params_b")
+        else:
+            _check_memory(plan, cfg, params)
+
+
+def _check_eta(plan: Plan, cfg: Config, explicit: bool) -> None:
+    eta = cfg.staleness.eta
+    if not explicit:
+        plan.errors.append("staleness.eta is not set in the config: choose the staleness bound "
+                           "explicitly (0 = synchronous; the paper finds eta <= 4 costs no accuracy "
+                           "with decoupled PPO)")
+    elif eta > ETA_WARN_ABOVE:
+        plan.warnings.append(f"staleness.eta = {eta}: the paper's ablation loses accuracy beyond "
+                             f"eta = {ETA_WARN_ABOVE} even with decoupled PPO")
+
+
+def _check_ports(plan: Plan) -> None:
+    used: Counter[tuple[str, int]] = Counter()
+    for s in plan.servers:  # each server owns [port, port + stride): SGLang opens ports next to it
+        for p in range(s.port, s.port + plan.port_stride):
+            used[(s.addr, p)] += 1
+    t = plan.trainer
+    used[(t.master_addr, t.master_port)] += 1
+    clashes = sorted(f"{addr}:{port}" for (addr, port), n in used.items() if n > 1)
+    if clashes:
+        plan.errors.append(f"ports collide on {', '.join(clashes[:5])}")
+    top = max((p for _, p in used), default=0)
+    if top > 65535:
+        plan.errors.append(f"ports run past 65535 (highest {top}): lower server.base_port")
+
+
+def _check_batch(plan: Plan, cfg: Config) -> None:
+    seqs = cfg.rollout.batch_size * cfg.rollout.group_size
+    if plan.trainer.dp > seqs:
+        plan.errors.append(f"trainer data-parallel size {plan.trainer.dp} exceeds the sequences of one "
+                           f"step (rollout.batch_size * group_size = {seqs}): ranks would idle")
+
+
+def _check_shapes(plan: Plan, arch: ModelArch, cfg: Config) -> None:
+    t = plan.trainer
+    if arch.num_layers % t.pp:
+        plan.errors.append(f"{arch.num_layers} layers are not divisible by parallel.pp ({t.pp})")
+    for name, tp in (("parallel.tp", t.tp), ("server.tp", plan.server_tp)):
+        if arch.num_heads % tp or arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+            plan.errors.append(f"{arch.num_heads} attention heads / {arch.num_kv_heads} KV heads "
+                               f"cannot be split by {name} = {tp}")
+
+
+def _check_memory(plan: Plan, cfg: Config, params: float) -> None:
+    t, cap = plan.trainer, cfg.cluster.gpu_memory_gb * GB
+    opt_shards = max(t.dp, 1) if cfg.optimizer.distributed else 1
+    per_gpu = params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES / opt_shards) / (t.tp * t.pp)
+    plan.notes.append(
+        f"trainer model state per GPU: {params / 1e9:.2f}B params x ({WEIGHT_GRAD_BYTES} + "
+        f"{OPTIMIZER_BYTES}/{opt_shards}) B / (TP {t.tp} x PP {t.pp}) = {per_gpu / GB:.1f} GB "
+        f"of {cap / GB:.0f} GB")
+    if per_gpu > cap:
+        plan.errors.append(f"model too large for the trainer: {per_gpu / GB:.1f} GB of weights, gradients "
+                           f"and Adam state per GPU > {cap / GB:.0f} GB; raise parallel.tp/pp")
+    elif per_gpu > 0.7 * cap:
+        plan.warnings.append(f"trainer model state takes {per_gpu / cap:.0%} of GPU memory; little is "
+                             "left for activations")
+    budget = cap * cfg.server.mem_fraction
+    weights = params * 2 / plan.server_tp
+    plan.notes.append(f"server weights per GPU: {weights / GB:.1f} GB of {budget / GB:.0f} GB "
+                      f"(server.mem_fraction {cfg.server.mem_fraction}); the rest is KV cache")
+    if weights > budget:
+        plan.errors.append(f"model too large for a server: {weights / GB:.1f} GB of bf16 weights per GPU "
+                           f"> {budget / GB:.0f} GB; raise server.tp")
+    elif weights > 0.6 * budget:
+        plan.warnings.append("server weights leave under 40% of the static memory for KV cache; "
+                             "consider a larger server.tp")

@@ -1,0 +1,62 @@
+"""Command lines and environments of the roles, shared by the local launcher and Slurm.
+
+- a rollout server: ``megatron-areal serve`` (embedded engine) or the SGLang launcher, bound to
+  the address the plan gives it and registering into ``RUN_DIR/servers``;
+- a trainer node: ``torch.distributed.run`` over ``megatron_areal.launch.trainer_main`` (a single
+  plain process when the whole trainer is one rank).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from megatron_areal.config import Config
+from megatron_areal.launch.plan import Plan, ServerSlot
+
+
+def run_paths(run_dir: str | Path) -> dict[str, Path]:
+    root = Path(run_dir).resolve()
+    return {"root": root, "servers": root / "servers", "logs": root / "logs", "plan": root / "plan.json"}
+
+
+def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path) -> list[str]:
+    common = ["--model", model_dir, "--host", slot.addr, "--port", str(slot.port), "--register-dir", str(reg_dir)]
+    if cfg.server.api_key:
+        common += ["--api-key", cfg.server.api_key]
+    if cfg.server.engine == "sglang":
+        return [sys.executable, "-m", "megatron_areal.server.sglang_launcher", *common,
+                "--tp", str(cfg.server.tp), "--mem-fraction", str(cfg.server.mem_fraction)]
+    return [sys.executable, "-m", "megatron_areal.cli", "serve", *common]
+
+
+def trainer_command(plan: Plan, node_rank: int, config_path: str, overrides: list[str], plan_path: Path) -> list[str]:
+    entry = ["-m", "megatron_areal.launch.trainer_main", "--plan", str(plan_path), config_path, *overrides]
+    t = plan.trainer
+    if t.world_size == 1:
+        return [sys.executable, *entry]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(t.nodes)}", f"--node-rank={node_rank}",
+            f"--nproc-per-node={t.nproc_per_node}", f"--master-addr={t.master_addr}",
+            f"--master-port={t.master_port}", *entry]
+
+
+def visible_devices(local: tuple[int, ...], env: dict[str, str]) -> str | None:
+    """CUDA_VISIBLE_DEVICES for local GPU indices, relative to what Slurm already made visible."""
+    if not local:
+        return None
+    base = env.get("CUDA_VISIBLE_DEVICES")
+    ids = base.split(",") if base else [str(i) for i in range(max(local) + 1)]
+    if max(local) >= len(ids):
+        raise ValueError(f"GPU {max(local)} requested but only {len(ids)} are visible ({base})")
+    return ",".join(ids[i] for i in local)
+
+
+def role_env(gpus: tuple[int, ...], single_rank: bool, master: tuple[str, int] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    devices = visible_devices(gpus, env)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    if single_rank and master is not None:  # what torchrun would set for a world of one
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+    return env

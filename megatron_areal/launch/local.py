@@ -1,0 +1,102 @@
+"""Everything on one machine: servers, then the trainer; on Ctrl-C or any failure, stop them all."""
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+from megatron_areal.config import Config
+from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
+from megatron_areal.launch.plan import Node, Plan, make_plan
+from megatron_areal.launch.procs import ProcessSet, Stopped, supervised
+from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
+
+logger = logging.getLogger(__name__)
+
+
+def port_free(addr: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(addr: str, avoid: set[int]) -> int:
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+
+
+def with_free_ports(plan: Plan) -> Plan:
+    """Move any planned port that is taken on this machine to a free one (and say so)."""
+    taken: set[int] = set()
+    servers = []
+    for slot in plan.servers:
+        port = slot.port
+        if port in taken or not port_free(slot.addr, port):
+            port = free_port(slot.addr, taken)
+            logger.warning("port %d is busy; server %s uses %d instead", slot.port, slot.id, port)
+        taken.add(port)
+        servers.append(replace(slot, port=port))
+    t = plan.trainer
+    master = t.master_port
+    if master in taken or not port_free(t.master_addr, master):
+        master = free_port(t.master_addr, taken)
+        logger.warning("port %d is busy; the trainer rendezvous uses %d instead", t.master_port, master)
+    return replace(plan, servers=tuple(servers), trainer=replace(t, master_port=master))
+
+
+def local_plan(cfg: Config) -> Plan:
+    node = Node(socket.gethostname(), cfg.server.host)
+    plan = make_plan([node], cfg.cluster.gpus_per_node, cfg.cluster, cfg.server, cfg.parallel.tp, cfg.parallel.pp)
+    if plan.errors:
+        raise LaunchError("cannot lay out this run on one machine:\n  " + "\n  ".join(plan.errors))
+    return with_free_ports(plan)
+
+
+def run_local(cfg: Config, config_path: str, overrides: list[str], model_dir: str) -> int:
+    """Run the job on this machine; returns the trainer's exit code (non-zero on any failure)."""
+    paths = run_paths(cfg.train.run_dir)
+    clear_registrations(paths["servers"])
+    plan = local_plan(cfg)
+    plan.save(paths["plan"])
+    try:
+        with supervised(ProcessSet(paths["logs"], cfg.cluster.stop_grace_s)) as procs:
+            return _supervise(plan, cfg, procs, paths, overrides, config_path, model_dir)
+    except Stopped as e:
+        logger.warning("%s received: stopped every process of the run", e)
+        return e.code
+
+
+def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path], overrides: list[str],
+               config_path: str, model_dir: str) -> int:
+    servers = {}
+    for i, slot in enumerate(plan.servers):
+        name = f"server-{i}"
+        servers[name] = slot
+        procs.start(name, server_command(slot, cfg, model_dir, paths["servers"]), role_env(slot.gpus, False))
+
+    def dead_server() -> str | None:
+        for c in procs.exited():
+            return (f"server {servers[c.name].id} exited with code {c.returncode()} before registering; "
+                    f"last lines of {c.log_path}:\n{c.log_tail()}")
+        return None
+
+    wait_for_servers(paths["servers"], list(plan.servers), cfg.server.startup_timeout_s, dead_server)
+    t = plan.trainer
+    cmd = trainer_command(plan, 0, config_path, overrides, paths["plan"])
+    trainer = procs.start("trainer", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port)))
+    first = procs.wait_any()
+    if first is trainer:
+        rc = trainer.returncode() or 0
+        (logger.info if rc == 0 else logger.error)("trainer exited with code %d (log %s)", rc, trainer.log_path)
+        return rc
+    logger.error("server %s died (code %s) while training; last lines of %s:\n%s", servers[first.name].id,
+                 first.returncode(), first.log_path, first.log_tail())
+    return 1

@@ -1,0 +1,81 @@
+"""What ``srun`` runs on each node of a Slurm job: this node's share of one role.
+
+``python -m megatron_areal.launch.node_role {rollout|trainer} --plan RUN_DIR/plan.json CONFIG [k=v ...]``
+
+- rollout: start the servers the plan puts on this node (each on its GPUs, port and log), and
+  exit non-zero as soon as one dies (``srun --kill-on-bad-exit`` then ends the whole step);
+- trainer: run torchrun with this node's rank in the plan's trainer nodes.
+
+On SIGTERM (the batch step stopping, ``scancel``, preemption) every child is stopped first.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+from megatron_areal.config import Config, load_config
+from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
+from megatron_areal.launch.plan import Plan
+from megatron_areal.launch.procs import ProcessSet, Stopped, supervised
+
+logger = logging.getLogger(__name__)
+
+
+def this_node(plan: Plan) -> str:
+    """The plan's name of this node: Slurm's node name, else the host name."""
+    for name in (os.environ.get("SLURMD_NODENAME"), socket.gethostname(), socket.gethostname().split(".")[0]):
+        if name and any(n.name == name for n in plan.nodes):
+            return name
+    raise RuntimeError(f"this node ({os.environ.get('SLURMD_NODENAME') or socket.gethostname()}) is not in the "
+                       f"plan's nodes {[n.name for n in plan.nodes]}")
+
+
+def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, procs: ProcessSet) -> int:
+    reg = run_paths(cfg.train.run_dir)["servers"]
+    slots = plan.servers_on(node)
+    if not slots:
+        raise RuntimeError(f"the plan puts no rollout server on node {node}")
+    for slot in slots:
+        procs.start(f"server-{slot.id}", server_command(slot, cfg, cfg.model.path, reg), role_env(slot.gpus, False))
+    dead = procs.wait_any()
+    logger.error("server %s exited with code %s; last lines of %s:\n%s", dead.name, dead.returncode(),
+                 dead.log_path, dead.log_tail())
+    return dead.returncode() or 1
+
+
+def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, procs: ProcessSet) -> int:
+    t = plan.trainer
+    rank = t.nodes.index(node)
+    cmd = trainer_command(plan, rank, args.config, args.overrides, args.plan)
+    child = procs.start(f"trainer-{node}", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port)))
+    procs.wait_any()
+    return child.returncode() or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron_areal.launch.node_role")
+    parser.add_argument("role", choices=["rollout", "trainer"])
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    plan = Plan.load(args.plan)
+    node = this_node(plan)
+    cfg = load_config(args.config, args.overrides)
+    logs = run_paths(cfg.train.run_dir)["logs"]
+    run = run_rollout if args.role == "rollout" else run_trainer_node
+    try:
+        with supervised(ProcessSet(logs, cfg.cluster.stop_grace_s)) as procs:
+            return run(plan, node, cfg, args, procs)
+    except Stopped as e:
+        logger.warning("%s on %s: stopped this node's %s processes", e, node, args.role)
+        return e.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""``megatron-areal train CONFIG.yaml [key=value ...]``: the main job.
+
+- ``--dry-run [--nodes N --gpus-per-node G]``: print the placement and the checks; start nothing.
+- ``--slurm``: the batch step of an sbatch job (what ``slurm/*.sh`` run): srun each role.
+- otherwise: everything on this machine (servers, then the trainer), stopped together on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from megatron_areal.config import Config, ConfigError, load_config
+from megatron_areal.configbase import load_yaml, parse_override
+from megatron_areal.launch.checks import check_plan
+from megatron_areal.launch.describe import describe
+from megatron_areal.launch.plan import make_plan, synthetic_nodes
+from megatron_areal.launch.registry import LaunchError
+
+logger = logging.getLogger(__name__)
+
+
+def eta_is_explicit(config_path: str, overrides: list[str]) -> bool:
+    """Whether the run chose its staleness bound (the default is not a choice a cluster run should inherit)."""
+    if any(parse_override(o)[0] == ["staleness", "eta"] for o in overrides):
+        return True
+    staleness = load_yaml(config_path).get("staleness")
+    return isinstance(staleness, dict) and "eta" in staleness
+
+
+def dry_run(cfg: Config, args: argparse.Namespace) -> int:
+    if args.nodes is None and os.environ.get("SLURM_JOB_NODELIST"):
+        from megatron_areal.launch.slurm import read_allocation
+        nodes, gpn = read_allocation(dict(os.environ))
+    else:
+        nodes = synthetic_nodes(args.nodes or cfg.cluster.nodes)
+        gpn = cfg.cluster.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+    plan = make_plan(nodes, gpn, cfg.cluster, cfg.server, cfg.parallel.tp, cfg.parallel.pp)
+    check_plan(plan, cfg, eta_is_explicit(args.config, args.overrides))
+    print(describe(plan, args.config))
+    return 0 if plan.ok else 1
+
+
+def _model_dir(cfg: Config) -> str:
+    """Resolve a built-in model name once, here, so servers and trainer ranks never race to prepare it."""
+    from megatron_areal.assets import resolve_model
+    return str(resolve_model(cfg.model.path))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-areal train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="the run's YAML config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
+    p.add_argument("--dry-run", action="store_true", help="print the launch plan and its checks; start nothing")
+    p.add_argument("--nodes", type=int, help="nodes to plan for (--dry-run outside an allocation)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node to plan for (--dry-run)")
+    p.add_argument("--slurm", action="store_true", help="run as the batch step of an sbatch job")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_intermixed_args(argv)
+    if args.nodes is not None and args.nodes < 1 or args.gpus_per_node is not None and args.gpus_per_node < 0:
+        parser.error("--nodes must be >= 1 and --gpus-per-node >= 0")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            return dry_run(cfg, args)
+        model_dir = _model_dir(cfg)
+        overrides = [*args.overrides, f"model.path={model_dir}"]
+        if args.slurm:
+            from megatron_areal.launch.slurm import run_slurm
+            return run_slurm(cfg, args.config, overrides, eta_is_explicit(args.config, args.overrides))
+        from megatron_areal.launch.local import run_local
+        if cfg.cluster.nodes > 1:
+            logger.warning("cluster.nodes = %d applies to Slurm and --dry-run; running on this machine",
+                           cfg.cluster.nodes)
+        Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+        return run_local(cfg, args.config, overrides, model_dir)
+    except ConfigError as e:
+        print(f"checks: 1 FAILED\n  FAILED: config: {e}" if args.dry_run else f"config error: {e}")
+        return 2
+    except (LaunchError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 1

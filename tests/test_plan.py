@@ -1,0 +1,171 @@
+"""The launch planner against the Slurm scripts: roles, ports, documented layouts, dry-run errors."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from megatron_areal.config import load_config
+from megatron_areal.launch.plan import Plan
+from megatron_areal.launch.slurm import expand_hostlist, plan_allocation
+from megatron_areal.train import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"1.5b": 16, "7b": 24, "32b": 64}  # script -> the node count its documentation describes
+SIZES = (16, 24, 64)
+
+
+def slurm_env(nodes: int, gpus: int = 8) -> dict[str, str]:
+    return {"SLURM_JOB_NODELIST": f"gpu[{1:03d}-{nodes:03d}]", "SLURM_GPUS_PER_NODE": str(gpus),
+            "SLURM_JOB_ID": "4242", "SLURM_CPUS_ON_NODE": "96"}
+
+
+def plan_for(script: str, nodes: int, overrides: list[str] | None = None) -> Plan:
+    cfg = load_config(ROOT / f"configs/train_{script}.yaml", overrides or [])
+    return plan_allocation(cfg, eta_explicit=True, env=slurm_env(nodes))
+
+
+def doc_layout(script: str) -> dict[str, int]:
+    """The numbers of the script's '== layout ==' block."""
+    text = (ROOT / f"slurm/train_{script}.sh").read_text()
+    block = text.split("== layout", 1)[1].split("# ==", 1)[0]
+    patterns = {
+        "nodes": r"nodes:\s+(\d+) x (\d+) GPUs",
+        "rollout": r"rollout:\s+(\d+) nodes, (\d+) GPUs, (\d+) servers x TP (\d+)",
+        "trainer": r"trainer:\s+(\d+) nodes, (\d+) GPUs, TP (\d+) x PP (\d+) x DP (\d+)",
+        "eta": r"eta:\s+(\d+)",
+    }
+    out: dict[str, int] = {}
+    for key, pattern in patterns.items():
+        m = re.search(pattern, block)
+        assert m, f"slurm/train_{script}.sh: layout line '{key}' missing or malformed"
+        for i, v in enumerate(m.groups()):
+            out[f"{key}{i}"] = int(v)
+    sbatch_nodes = re.search(r"#SBATCH --nodes=(\d+)", text)
+    out["sbatch_nodes"] = int(sbatch_nodes.group(1))
+    return out
+
+
+def gpu_roles(plan: Plan) -> Counter[tuple[str, int]]:
+    roles: Counter[tuple[str, int]] = Counter()
+    for node in plan.trainer.nodes:
+        for g in plan.trainer.gpus:
+            roles[(node, g)] += 1
+    for s in plan.servers:
+        for g in s.gpus:
+            roles[(s.node, g)] += 1
+    return roles
+
+
+@pytest.mark.parametrize("nodes", SIZES)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_gpu_has_one_role_and_ports_are_distinct(script: str, nodes: int) -> None:
+    plan = plan_for(script, nodes)
+    assert plan.ok, plan.errors
+    roles = gpu_roles(plan)
+    every_gpu = {(f"gpu{n:03d}", g) for n in range(1, nodes + 1) for g in range(8)}
+    assert set(roles) == every_gpu
+    assert set(roles.values()) == {1}
+    assert {plan.role_of(n.name) for n in plan.nodes} == {"trainer", "rollout"}
+    # each server owns [port, port + stride); nothing on one address overlaps
+    for addr in {n.addr for n in plan.nodes}:
+        ranges = [range(s.port, s.port + plan.port_stride) for s in plan.servers if s.addr == addr]
+        if plan.trainer.master_addr == addr:
+            ranges.append(range(plan.trainer.master_port, plan.trainer.master_port + 1))
+        ports = [p for r in ranges for p in r]
+        assert len(ports) == len(set(ports)), f"ports collide on {addr}"
+    assert len({s.id for s in plan.servers}) == len(plan.servers)
+    assert plan.trainer.master_addr == plan.nodes[0].addr == f"gpu{1:03d}"  # rendezvous: first trainer node
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_layout_matches_the_script_documentation(script: str) -> None:
+    doc = doc_layout(script)
+    nodes = SCRIPTS[script]
+    assert doc["sbatch_nodes"] == doc["nodes0"] == nodes
+    plan = plan_for(script, nodes)
+    t = plan.trainer
+    rollout_nodes = plan.nodes_with_role("rollout")
+    assert (doc["nodes0"], doc["nodes1"]) == (len(plan.nodes), plan.gpus_per_node)
+    assert (doc["rollout0"], doc["rollout1"], doc["rollout2"], doc["rollout3"]) == (
+        len(rollout_nodes), len(rollout_nodes) * plan.gpus_per_node, len(plan.servers), plan.server_tp)
+    assert (doc["trainer0"], doc["trainer1"], doc["trainer2"], doc["trainer3"], doc["trainer4"]) == (
+        len(t.nodes), t.world_size, t.tp, t.pp, t.dp)
+    cfg = load_config(ROOT / f"configs/train_{script}.yaml")
+    assert doc["eta0"] == cfg.staleness.eta
+    assert cfg.cluster.nodes == nodes
+
+
+def test_tiny_script_layout_on_two_cpu_nodes() -> None:
+    doc = doc_layout("tiny")
+    cfg = load_config(ROOT / "configs/train_tiny.yaml")
+    plan = plan_allocation(cfg, eta_explicit=True, env={"SLURM_JOB_NODELIST": "n[1-2]"})
+    assert plan.ok, plan.errors
+    assert plan.gpus_per_node == 0 and len(plan.nodes) == doc["sbatch_nodes"] == doc["nodes0"] == 2
+    assert [plan.role_of(n) for n in ("n1", "n2")] == ["trainer", "rollout"]
+    assert len(plan.servers) == doc["rollout2"] == cfg.server.count
+    assert (plan.trainer.tp, plan.trainer.pp, plan.trainer.dp) == (doc["trainer2"], doc["trainer3"], doc["trainer4"])
+    assert len({(s.addr, s.port) for s in plan.servers} | {(plan.trainer.master_addr, plan.trainer.master_port)}) == 3
+
+
+def test_plan_json_round_trip(tmp_path: Path) -> None:
+    plan = plan_for("32b", 64)
+    plan.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert again == plan
+    with pytest.raises(FileNotFoundError, match="shared by all nodes"):
+        Plan.load(tmp_path / "missing" / "plan.json")
+
+
+def test_hostlist_expansion_matches_scontrol() -> None:
+    expr = "gpu[001-003,010],login7,n[8-11]"
+    names = expand_hostlist(expr)
+    assert names == ["gpu001", "gpu002", "gpu003", "gpu010", "login7", "n8", "n9", "n10", "n11"]
+    if shutil.which("scontrol"):
+        out = subprocess.run(["scontrol", "show", "hostnames", expr], capture_output=True, text=True, check=True)
+        assert out.stdout.split() == names
+
+
+def _dry(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    rc = train_main(args)
+    return rc, capsys.readouterr().out
+
+
+def test_dry_run_512_gpus_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _dry([str(ROOT / "configs/train_32b.yaml"), "--dry-run", "--nodes", "64", "--gpus-per-node", "8"], capsys)
+    assert rc == 0, out
+    assert "64 nodes x 8 GPUs = 512 GPUs" in out
+    assert "TP 8 x PP 2 x DP 8" in out and "96 sglang servers x TP 4" in out
+    assert "checks: all passed" in out
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--nodes", "5", "parallel.tp=3"], "not divisible by parallel.tp * parallel.pp"),
+    (["--nodes", "4", "--gpus-per-node", "6"], "GPUs per node (6) are not divisible by server.tp (4)"),
+    (["--nodes", "4", "parallel.tp=2", "parallel.pp=1"], "model too large for the trainer"),
+    (["--nodes", "16", "server.tp=1", "cluster.gpu_memory_gb=64"], "model too large for a server"),
+    (["--nodes", "4", "--gpus-per-node", "4", "parallel.tp=8"], "tensor parallelism across nodes"),
+    (["--nodes", "16", "rollout.batch_size=1", "rollout.group_size=1"], "exceeds the sequences of one step"),
+])
+def test_dry_run_reports_failing_checks(extra: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _dry([str(ROOT / "configs/train_32b.yaml"), "--dry-run", *extra], capsys)
+    assert rc == 1
+    assert "FAILED" in out and expected in out
+
+
+def test_dry_run_eta_missing_and_invalid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "configs/train_7b.yaml").read_text()
+    no_eta = tmp_path / "no_eta.yaml"
+    no_eta.write_text(re.sub(r"staleness:\n\s+eta: \d+.*\n", "", text))
+    rc, out = _dry([str(no_eta), "--dry-run"], capsys)
+    assert rc == 1 and "staleness.eta is not set" in out
+    rc, out = _dry([str(no_eta), "--dry-run", "staleness.eta=2"], capsys)
+    assert rc == 0, out
+    rc, out = _dry([str(no_eta), "--dry-run", "staleness.eta=-1"], capsys)
+    assert rc == 2 and "staleness.eta: must be >= 0" in out
+    rc, out = _dry([str(no_eta), "--dry-run", "staleness.eta=16"], capsys)
+    assert rc == 0 and "warning: staleness.eta = 16" in out
