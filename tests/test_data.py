@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_areal.data import DataError, Prompt, PromptStream, encode_prompt, load_jsonl, load_task
+from megatron_areal.data import DataError, Prompt, PromptStream, encode_prompt, load_datasets, load_jsonl, load_task
 from megatron_areal.data.arithmetic import HELD_OUT_POOL
+from megatron_areal.data.config import DataConfig
 from megatron_areal.reward.arithmetic import verify_number
 
 
@@ -64,6 +65,14 @@ def test_load_task_by_path_and_unknown_name(tmp_path: Path) -> None:
         load_task("math-500")
     with pytest.raises(DataError, match="no such dataset file"):
         load_task(str(tmp_path / "missing.jsonl"))
+
+
+def test_load_datasets_from_config(tmp_path: Path) -> None:
+    train, held_out = load_datasets(DataConfig(train="arithmetic", train_size=50, eval="aime2024", eval_size=0))
+    assert len(train) == 50 and len(held_out) == 30
+    assert load_datasets(DataConfig(train="math500", eval=""))[1] == []
+    with pytest.raises(DataError, match=r"^data\.train: .*neither a built-in task"):
+        load_datasets(DataConfig(train=str(tmp_path / "nope")))
 
 
 # ---- built-in tasks ----------------------------------------------------------------------------

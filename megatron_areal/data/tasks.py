@@ -7,6 +7,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from megatron_areal.data import arithmetic, packaged
+from megatron_areal.data.config import DataConfig
 from megatron_areal.data.jsonl import load_jsonl
 from megatron_areal.data.prompt import DataError, Prompt
 
@@ -45,3 +46,15 @@ def load_task(name_or_path: str, seed: int = 0, size: int | None = None,
         return prompts
     raise DataError(f"'{name_or_path}' is neither a built-in task ({', '.join(sorted(tasks))}) "
                     "nor an existing JSONL file")
+
+
+def load_datasets(config: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """The training prompts and the held-out prompts (empty when ``data.eval`` is "") of a run."""
+    def load(key: str, name: str, size: int) -> list[Prompt]:
+        try:
+            return load_task(name, config.seed, size or None)
+        except DataError as e:
+            raise DataError(f"data.{key}: {e}") from None
+    train = load("train", config.train, config.train_size)
+    held_out = load("eval", config.eval, config.eval_size) if config.eval else []
+    return train, held_out
