@@ -1,0 +1,140 @@
+"""First-principles time of each unit of work: a decode step, a prefill, a training step and a
+weight update, from bytes moved and FLOPs done against the published peaks of ``hardware``.
+
+A decode step reads every weight once and the whole KV cache of its batch; it is bound by
+whichever of memory traffic and arithmetic takes longer, plus a fixed per-step overhead.
+Within a stretch of decoding where no request joins or leaves, the batch ``n`` is fixed and the
+total context grows by ``n`` per step, so both bounds are linear in the step index and the time
+of ``k`` steps has a closed form (``span_time``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_areal.sim.config import SimConfig
+from megatron_areal.sim.hardware import GPUSpec
+from megatron_areal.sim.models import ModelShape
+
+
+def _series(a: float, b: float, j0: int, j1: int) -> float:
+    """sum_{j=j0}^{j1-1} (a + b*j)."""
+    m = j1 - j0
+    if m <= 0:
+        return 0.0
+    return m * a + b * (j0 + j1 - 1) * m / 2
+
+
+def sum_max_linear(a: float, b: float, c: float, d: float, k: int) -> float:
+    """sum_{j<k} max(a + b*j, c + d*j), exactly (the two lines cross at most once)."""
+    if k <= 0:
+        return 0.0
+    if b == d:
+        return _series(a, b, 0, k) if a >= c else _series(c, d, 0, k)
+    split = min(k, max(0, math.ceil((c - a) / (b - d))))  # the lines cross at most once
+
+    def upper(j0: int, j1: int) -> float:  # no crossing inside [j0, j1): the midpoint decides
+        mid = (j0 + j1 - 1) / 2
+        return _series(a, b, j0, j1) if a + b * mid >= c + d * mid else _series(c, d, j0, j1)
+
+    return upper(0, split) + upper(split, k)
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Per-step time of one server (``tp`` GPUs) as two lines in (batch, total context)."""
+
+    mem_fixed: float  # s to read the weights
+    mem_per_ctx: float  # s per cached token read
+    flop_per_seq: float  # s of matmul per sequence in the batch
+    flop_per_ctx: float  # s of attention per cached token
+    overhead: float  # s per step that neither bound hides
+
+    def step_time(self, n: int, ctx: float) -> float:
+        return self.overhead + max(self.mem_fixed + self.mem_per_ctx * ctx,
+                                   self.flop_per_seq * n + self.flop_per_ctx * ctx)
+
+    def span_time(self, k: int, n: int, ctx: float) -> float:
+        """Time of ``k`` steps of a batch of ``n`` whose total context is ``ctx`` at the first."""
+        a = self.mem_fixed + self.mem_per_ctx * ctx
+        b = self.mem_per_ctx * n
+        c = self.flop_per_seq * n + self.flop_per_ctx * ctx
+        d = self.flop_per_ctx * n
+        return k * self.overhead + sum_max_linear(a, b, c, d, k)
+
+    def steps_within(self, budget: float, n: int, ctx: float) -> int:
+        """Largest k with span_time(k) <= budget."""
+        if budget <= 0:
+            return 0
+        lo, hi = 0, 1
+        while self.span_time(hi, n, ctx) <= budget:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.span_time(mid, n, ctx) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+def decode_cost(model: ModelShape, gpu: GPUSpec, tp: int, sim: SimConfig) -> DecodeCost:
+    bw = gpu.hbm_bw * sim.hbm_efficiency * tp
+    flops = gpu.bf16_flops * sim.decode_flops_efficiency * tp
+    kernels = model.num_layers * sim.kernels_per_layer * sim.kernel_gap_s
+    # Two all-reduces per layer (after attention and after the MLP) when the server is sharded.
+    allreduce = 2 * model.num_layers * gpu.nvlink_latency_s if tp > 1 else 0.0
+    return DecodeCost(mem_fixed=model.weight_bytes / bw, mem_per_ctx=model.kv_bytes_per_token / bw,
+                      flop_per_seq=2 * model.matmul_params / flops,
+                      flop_per_ctx=4 * model.num_layers * model.attn_dim / flops,
+                      overhead=sim.decode_step_overhead_s + kernels + allreduce)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    model: ModelShape
+    gpu: GPUSpec
+    sim: SimConfig
+
+    def prefill_time(self, tokens: float, sq_sum: float, tp: int) -> float:
+        """One forward pass over ``tokens`` new tokens (causal attention: 2*s^2*d per layer)."""
+        m = self.model
+        flops = 2 * m.matmul_params * tokens + 2 * m.num_layers * m.attn_dim * sq_sum
+        compute = flops / (self.gpu.bf16_flops * self.sim.prefill_mfu * tp)
+        weights = self.model.weight_bytes / (self.gpu.hbm_bw * self.sim.hbm_efficiency * tp)
+        return max(compute, weights) + self.sim.decode_step_overhead_s
+
+    def kv_capacity_tokens(self, tp: int, mem_fraction: float) -> int:
+        """Tokens of KV cache one server holds: its memory share minus the weights."""
+        free = self.gpu.hbm_bytes * mem_fraction * tp - self.model.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model.name} ({self.model.weight_bytes / 1e9:.1f} GB) does not fit on "
+                             f"{tp} x {self.gpu.name} at server.mem_fraction={mem_fraction}; raise server.tp")
+        return int(free / self.model.kv_bytes_per_token)
+
+    def train_time(self, tokens: float, sq_sum: float, n_gpus: int, tp: int, pp: int, n_minibatches: int,
+                   max_tokens_per_mb: int) -> float:
+        """One PPO step: a no-grad forward for the proximal logprobs, then forward+backward of every
+        token once, split into ``n_minibatches`` optimizer steps."""
+        m = self.model
+        flops = 8 * m.matmul_params * tokens + 8 * m.num_layers * m.attn_dim * sq_sum
+        compute = flops / (n_gpus * self.gpu.bf16_flops * self.sim.train_mfu)
+        dp = max(1, n_gpus // (tp * pp))
+        mbs = max(1, math.ceil(tokens / (n_minibatches * dp * max_tokens_per_mb)))
+        compute *= 1 + (pp - 1) / mbs  # pipeline fill and drain of each minibatch
+        shard = m.params / (tp * pp)
+        # fp32 gradient all-reduce over DP (ring); Megatron overlaps it with the backward pass.
+        net = self.gpu.net_bw * self.sim.net_efficiency
+        grad_sync = 2 * (dp - 1) / dp * 4 * shard / net if dp > 1 else 0.0
+        per_mb = max(compute / n_minibatches, grad_sync)
+        adam = self.sim.optimizer_bytes_per_param * shard / dp / (self.gpu.hbm_bw * self.sim.hbm_efficiency)
+        return n_minibatches * (per_mb + adam)
+
+    def weight_update_time(self, pp: int, colocated: bool) -> float:
+        """Trainer -> servers. Split placement: one NCCL broadcast per pipeline stage, pipelined so
+        each receiver sees the stage's bytes once at NIC speed. Colocated: an on-device copy."""
+        if colocated:
+            copy = self.model.weight_bytes / (self.gpu.hbm_bw * self.sim.hbm_efficiency)
+            return copy + self.sim.update_overhead_s
+        net = self.gpu.net_bw * self.sim.net_efficiency
+        return self.model.weight_bytes / pp / net + self.sim.update_overhead_s

@@ -1,0 +1,32 @@
+"""Text the CLI prints: one simulated run, and the sync-vs-async comparison."""
+from __future__ import annotations
+
+from megatron_areal.sim.result import RunResult
+
+
+def staleness_line(r: RunResult) -> str:
+    total = sum(r.staleness.values()) or 1
+    parts = [f"{k}: {100 * v / total:.0f}%" for k, v in sorted(r.staleness.items())]
+    return ", ".join(parts) + f" (mean {r.staleness_mean():.2f}, max {r.max_staleness})"
+
+
+def describe(r: RunResult) -> str:
+    sc = r.scenario
+    lines = [
+        f"{sc.label}",
+        f"  time per step        {r.step_time:9.1f} s   ({r.step_time * 1000 / 3600:.1f} h per 1,000 steps)",
+        f"  generation           {r.gen_tokens_per_s:9.0f} tokens/s on {sc.gen_gpus} GPUs, busy "
+        f"{100 * r.gen_utilisation:.0f}%",
+        f"  training             {r.train_tokens_per_s:9.0f} tokens/s on {sc.train_gpus} GPUs, busy "
+        f"{100 * r.train_utilisation:.0f}%",
+        f"  staleness (versions) {staleness_line(r)}",
+        f"  groups               submitted {r.submitted}, trained {r.trained}, dropped as stale "
+        f"{r.dropped}, in flight {r.running}, buffered {r.buffered}; KV retractions {r.retracted}",
+    ]
+    return "\n".join(lines)
+
+
+def compare(async_r: RunResult, sync_r: RunResult) -> str:
+    ratio = sync_r.step_time / async_r.step_time
+    return (f"async vs sync: {ratio:.2f}x faster per step "
+            f"({sync_r.step_time:.1f} s -> {async_r.step_time:.1f} s per step)")

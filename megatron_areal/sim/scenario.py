@@ -1,0 +1,97 @@
+"""One simulated setting, resolved from the run's config tree: who generates, who trains, with
+which model, batch and staleness bound. ``from_config`` is the only place that reads ``Config``."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_areal.config import Config
+from megatron_areal.sim.config import SimConfig
+from megatron_areal.sim.hardware import GPUSpec, gpu_spec
+from megatron_areal.sim.models import ModelShape, resolve_model
+
+
+class ScenarioError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    model: ModelShape
+    gpu: GPUSpec
+    sim: SimConfig
+    batch_size: int  # groups per training step
+    group_size: int
+    max_new_tokens: int
+    eta: int
+    max_concurrent: int  # groups in flight
+    n_servers: int
+    server_tp: int
+    train_gpus: int
+    train_tp: int
+    train_pp: int
+    n_minibatches: int
+    max_tokens_per_mb: int
+    mem_fraction: float
+    colocated: bool = False  # generation and training time-share the same GPUs
+    interruptible: bool = True
+
+    @property
+    def gen_gpus(self) -> int:
+        return self.n_servers * self.server_tp
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gen_gpus if self.colocated else self.gen_gpus + self.train_gpus
+
+    @property
+    def label(self) -> str:
+        mode = "sync" if self.eta == 0 else f"async eta={self.eta}"
+        place = "colocated" if self.colocated else f"{self.gen_gpus} gen + {self.train_gpus} train"
+        return f"{self.model.name} {mode}, {place} GPUs"
+
+    def replace(self, **changes) -> Scenario:
+        return dataclasses.replace(self, **changes)
+
+
+def split_gpus(total: int, gen_fraction: float, server_tp: int, train_unit: int) -> tuple[int, int]:
+    """Servers and training GPUs for a split of ``total`` GPUs; both sides get at least one unit."""
+    if total < server_tp + train_unit:
+        raise ScenarioError(f"{total} GPUs cannot hold one server (tp={server_tp}) and one trainer "
+                            f"replica (tp*pp={train_unit})")
+    gen = round(total * gen_fraction / server_tp) * server_tp
+    gen = min(max(gen, server_tp), total - train_unit)
+    train = (total - gen) // train_unit * train_unit
+    return gen // server_tp, train
+
+
+def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None = None,
+                total_gpus: int | None = None) -> Scenario:
+    """``mode``: "config" (what the config says), "async" or "sync" (the baseline the sim section
+    describes). ``total_gpus`` / ``gen_fraction`` override the cluster for sweeps."""
+    sim = cfg.sim
+    gpus = total_gpus or cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    if gpus <= 0:
+        raise ScenarioError("cluster.gpus_per_node is 0 (a CPU machine): set cluster.nodes and "
+                            "cluster.gpus_per_node to the GPU cluster you want to simulate")
+    sync = mode == "sync" or (mode == "config" and not cfg.staleness.overlap)
+    # An explicit async request on a synchronous config uses the paper's eta = 4.
+    eta = 0 if sync else (cfg.staleness.eta or (4 if mode == "async" else 0))
+    unit = cfg.parallel.tp * cfg.parallel.pp
+    colocated = sync and sim.sync_placement == "colocated"
+    if colocated:
+        n_servers, train = gpus // cfg.server.tp, gpus
+    else:
+        frac = gen_fraction or (sim.sync_gen_fraction if sync and sim.sync_gen_fraction
+                                else cfg.cluster.gen_fraction)
+        n_servers, train = split_gpus(gpus, frac, cfg.server.tp, unit)
+    if train < unit:
+        raise ScenarioError(f"{train} training GPUs cannot hold parallel.tp*pp={unit}")
+    return Scenario(model=resolve_model(cfg.model.path), gpu=gpu_spec(sim.gpu), sim=sim,
+                    batch_size=cfg.rollout.batch_size, group_size=cfg.rollout.group_size,
+                    max_new_tokens=cfg.rollout.max_new_tokens, eta=eta,
+                    max_concurrent=cfg.rollout.max_concurrent, n_servers=n_servers, server_tp=cfg.server.tp,
+                    train_gpus=train, train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp,
+                    n_minibatches=cfg.ppo.n_minibatches, max_tokens_per_mb=cfg.parallel.max_tokens_per_mb,
+                    mem_fraction=cfg.server.mem_fraction, colocated=colocated,
+                    interruptible=sim.interruptible)
