@@ -234,8 +234,20 @@ class CpuPatch:
                     raise PatchError(f"megatron-core CPU patch: {site}: expected {edit.count} x {edit.old!r}, "
                                      f"found {found}; the site moved (pinned megatron-core {PINNED_VERSION})")
                 source = source.replace(edit.old, edit.new)
-            self._set(owner, name, _recompile(func, source, owner, name))
+            new = _recompile(func, source, owner, name)
+            self._set(owner, name, new)
+            if not isinstance(owner, type):
+                self._rebind_imports(func, new)
             self.edited_sites.append(site)
+
+    def _rebind_imports(self, old: Any, new: Any) -> None:
+        """``from x import f`` copied the function into other modules; point those names at ``new``."""
+        for mod_name, module in list(sys.modules.items()):
+            if not mod_name.startswith("megatron.") or module is None:
+                continue
+            for attr, value in list(vars(module).items()):
+                if value is old:
+                    self._set(module, attr, new)
 
     def remove(self) -> None:
         """Restore every attribute this patch replaced, newest first."""

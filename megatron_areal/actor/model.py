@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import zlib
 from typing import Any
 
 import torch
@@ -127,14 +129,57 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
-def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0,
+def _global_name(name: str, layer_offset: int, tied: bool) -> str:
+    """Parameter name as in a TP1/PP1 model: global layer index, tied output = embedding."""
+    if tied and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + layer_offset}.", name)
+
+
+def _full_init(name: str, shape: list[int], vocab_size: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+        return torch.ones(shape)
+    full = torch.randn(shape, generator=gen) * 0.02
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        full[vocab_size:] = 0.0  # TP padding rows, as a converted checkpoint has them
+    return full
+
+
+@torch.no_grad()
+def init_weights(chunks: list[GPTModel], arch: ModelArch, *, seed: int, tp: int, tp_rank: int, pp: int,
+                 pp_rank: int) -> None:
+    """Seeded random weights that are the same function at every TP/PP layout.
+
+    Megatron's own CPU initialisation draws from one generator in construction order, so a PP
+    stage that skips the embedding, or a larger TP padding of the vocabulary, shifts every later
+    draw. Here each parameter's full (unsharded) tensor comes from a generator seeded by its
+    layout-independent name, and this rank keeps its TP shard the way Megatron splits it
+    (``partition_dim``, ``partition_stride``).
+    """
+    offset = pp_rank * (arch.num_layers // pp)
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            gname = _global_name(name, offset, arch.tie_word_embeddings)
+            dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
+            shape = list(param.shape)
+            if dim >= 0:
+                shape[dim] *= tp
+            full = _full_init(gname, shape, arch.vocab_size, seed)
+            if dim >= 0:
+                stride = getattr(param, "partition_stride", 1)
+                pieces = torch.split(full, param.shape[dim] // stride, dim=dim)
+                full = torch.cat(pieces[tp_rank::tp], dim=dim)
+            param.copy_(full.to(param.dtype))
+
+
+def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, tp_rank: int = 0,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, seed: int = 1,
                 device: torch.device | None = None, use_te: bool | None = None) -> list[GPTModel]:
     """The GPTModel chunk of pipeline stage ``pp_rank``, randomly initialised from ``seed``.
 
     Needs Megatron's parallel state for (tp, pp) initialised (``actor.parallel.init_parallel``).
-    The same seed gives the same full model at any TP size: weights are built whole on the CPU
-    generator and then split.
+    The same seed gives the same full model at any TP/PP layout (``init_weights``).
     """
     device = device or torch.device("cpu")
     on_gpu = device.type == "cuda"
@@ -152,6 +197,7 @@ def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
     model.rotary_pos_emb.inv_freq = rope_inv_freq(arch).to(device)
+    init_weights([model], arch, seed=seed, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
     model.to(device)
     log.info("built %s stage %d/%d: %.2fM parameters on this rank (%s spec)", arch.model_type, pp_rank, pp,
              sum(p.numel() for p in model.parameters()) / 1e6, "TE" if use_te else "local")

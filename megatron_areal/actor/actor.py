@@ -1,0 +1,215 @@
+"""The Megatron actor: logprobs of token sequences, and decoupled-PPO updates.
+
+Loss scaling across micro-batches and DP ranks. The objective of one mini-batch is the mean of the
+per-token PPO loss over all loss-mask tokens of the mini-batch, ``N``, wherever they were
+computed. Every rank sees the whole trajectory list, so ``N`` is known locally. Each micro-batch
+passes ``loss_scale_tokens=N`` to ``decoupled_ppo_loss`` (its share of the sum divided by ``N``);
+Megatron's schedule then divides by the number of micro-batches ``M`` and Megatron DDP averages
+gradients over the ``D`` DP ranks, so the micro-batch returns ``loss * M * D`` and the gradient is
+exactly that of the mini-batch mean. The reported ``loss`` is the sum of the unscaled pieces.
+
+Where results live: logprobs come out of the last pipeline stage (identical on its TP ranks);
+``compute_logprobs`` all-reduces them over the model-parallel and DP groups, so every rank returns
+the logprobs of every sequence. ``ppo_update`` statistics are reduced the same way and returned on
+every rank.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_areal.actor.engine import run_microbatches
+from megatron_areal.actor.microbatch import PackedMicroBatch, pack
+from megatron_areal.actor.model import DTYPES, build_model, check_layout
+from megatron_areal.actor.optim import build_train_state, current_lr
+from megatron_areal.actor.parallel import ParallelGroups
+from megatron_areal.actor.ppo_batch import StatsReducer, check_trajectories, sequence_advantages, token_advantages
+from megatron_areal.algorithm import decoupled_ppo_loss, kl_penalty
+from megatron_areal.algorithm.config import PPOConfig
+from megatron_areal.convert.arch import ModelArch
+from megatron_areal.data.packing import allocate_microbatches, kk_partition
+from megatron_areal.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class Actor:
+    """Policy model sharded over ``groups``; ``model``/``optimizer``/``scheduler`` are public for
+    checkpointing and weight transfer."""
+
+    def __init__(self, arch: ModelArch, model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
+                 optimizer_cfg: OptimizerConfig, ppo_cfg: PPOConfig, groups: ParallelGroups, *,
+                 seed: int = 1, total_steps: int = 1000) -> None:
+        if (parallel_cfg.tp, parallel_cfg.pp) != (groups.tp, groups.pp):
+            raise ValueError(f"parallel config tp={parallel_cfg.tp} pp={parallel_cfg.pp} does not match the "
+                             f"initialised groups tp={groups.tp} pp={groups.pp}")
+        check_layout(arch, groups.tp, groups.pp)
+        self.arch, self.model_cfg, self.parallel_cfg = arch, model_cfg, parallel_cfg
+        self.ppo_cfg, self.groups = ppo_cfg, groups
+        self.dtype = self._dtype(model_cfg.dtype, groups)
+        chunks = build_model(arch, tp=groups.tp, pp=groups.pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
+                             sequence_parallel=parallel_cfg.sequence_parallel, dtype=self.dtype, seed=seed,
+                             device=groups.device)
+        state = build_train_state(chunks, optimizer_cfg, groups, total_steps * ppo_cfg.n_minibatches)
+        self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
+        self._reference: list[torch.Tensor] | None = None
+
+    @staticmethod
+    def _dtype(name: str, groups: ParallelGroups) -> torch.dtype:
+        if name == "auto":
+            return torch.bfloat16 if groups.device.type == "cuda" else torch.float32
+        return DTYPES[name]
+
+    # ---------------------------------------------------------------- packing
+    def _plan(self, sequences: Sequence[Sequence[int]], min_microbatches: int,
+              values: dict[str, Sequence[Sequence[float]]] | None = None) -> list[PackedMicroBatch]:
+        """This DP rank's packed micro-batches (same count on every DP rank)."""
+        lengths = [len(s) for s in sequences]
+        for i, n in enumerate(lengths):
+            if n < 2:
+                raise ValueError(f"sequence {i} has {n} token(s); a logprob needs at least 2")
+        plan = allocate_microbatches(lengths, self.parallel_cfg.max_tokens_per_mb, self.groups.dp,
+                                     min_microbatches, self.parallel_cfg.packing, self.model_cfg.max_seq_len)
+        multiple = self.groups.tp if self.parallel_cfg.sequence_parallel else 1
+        return [pack(sequences, ids, multiple, values) for ids in plan[self.groups.dp_rank]]
+
+    def _gather(self, sequences: Sequence[Sequence[int]], batches: list[PackedMicroBatch],
+                reports: list[dict[str, Any]], keys: tuple[str, ...]) -> list[list[torch.Tensor]]:
+        """Per-sequence vectors from the last stage's reports, all-reduced onto every rank."""
+        starts = [0]
+        for s in sequences:
+            starts.append(starts[-1] + len(s) - 1)
+        buf = torch.zeros(len(keys), starts[-1], dtype=torch.float32, device=self.groups.device)
+        if self.groups.is_last_stage and self.groups.tp_rank == 0:
+            for mb, rep in zip(batches, reports):
+                for row, key in enumerate(keys):
+                    for i, vals in zip(mb.seq_ids, mb.split(rep[key])):
+                        buf[row, starts[i]:starts[i + 1]] = vals
+        for g in (self.groups.mp_group, self.groups.dp_group):
+            if dist.get_world_size(g) > 1:
+                dist.all_reduce(buf, group=g)
+        buf = buf.cpu()
+        return [[buf[row, starts[i]:starts[i + 1]] for i in range(len(sequences))] for row in range(len(keys))]
+
+    # ---------------------------------------------------------------- logprobs
+    @torch.no_grad()
+    def compute_logprobs(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0,
+                         with_entropy: bool = False) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
+        """Logprob of token t given tokens < t (L - 1 values per sequence), on every rank."""
+        if not sequences:
+            return ([], []) if with_entropy else []
+        batches = self._plan(sequences, 1)
+
+        def collect(mb: PackedMicroBatch, lp: torch.Tensor, ent: torch.Tensor):
+            return lp.sum() * 0.0, {"logprobs": lp.detach().float(), "entropy": ent.detach().float()}
+
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            reports = run_microbatches(self.model, batches, self.groups, vocab_size=self.arch.vocab_size,
+                                       temperature=temperature, loss_fn=collect, forward_only=True)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        logprobs, entropy = self._gather(sequences, batches, reports, ("logprobs", "entropy"))
+        return (logprobs, entropy) if with_entropy else logprobs
+
+    # ---------------------------------------------------------------- reference policy (KL)
+    def set_reference(self) -> None:
+        """Snapshot the current weights as the KL reference policy."""
+        self._reference = [p.detach().clone() for c in self.model for p in c.parameters()]
+
+    @torch.no_grad()
+    def _reference_logprobs(self, sequences: Sequence[Sequence[int]], temperature: float) -> list[torch.Tensor]:
+        if self._reference is None:
+            self.set_reference()
+        params = [p for c in self.model for p in c.parameters()]
+        current = [p.detach().clone() for p in params]
+        for p, r in zip(params, self._reference):
+            p.copy_(r)
+        try:
+            return self.compute_logprobs(sequences, temperature)
+        finally:
+            for p, c in zip(params, current):
+                p.copy_(c)
+
+    # ---------------------------------------------------------------- PPO
+    def ppo_update(self, trajectories: Sequence[Trajectory], temperature: float = 1.0) -> dict[str, float]:
+        """Recompute proximal logprobs, compute advantages, run ``ppo.n_minibatches`` optimizer steps."""
+        start = time.perf_counter()
+        cfg = self.ppo_cfg
+        check_trajectories(trajectories, self.model_cfg.max_seq_len)
+        if len(trajectories) < cfg.n_minibatches:
+            raise ValueError(f"ppo.n_minibatches={cfg.n_minibatches} needs at least that many trajectories, "
+                             f"got {len(trajectories)}")
+        sequences = [t.input_ids for t in trajectories]
+        behaviour = [t.behavior_logprobs for t in trajectories]
+        proximal = ([lp.tolist() for lp in self.compute_logprobs(sequences, temperature)]
+                    if cfg.decoupled else behaviour)
+        values: dict[str, Sequence[Sequence[float]]] = {
+            "loss_mask": [[float(m) for m in t.loss_mask] for t in trajectories],
+            "behaviour": behaviour, "proximal": proximal,
+            "advantages": token_advantages(trajectories, sequence_advantages(trajectories, cfg.advantage),
+                                           cfg.normalize_batch_advantage)}
+        if cfg.kl_coef > 0:
+            values["reference"] = [lp.tolist() for lp in self._reference_logprobs(sequences, temperature)]
+        lengths = [len(s) for s in sequences]
+        stats: list[dict[str, float]] = []
+        for members in kk_partition(lengths, cfg.n_minibatches):
+            stats.append(self._minibatch_step([sequences[i] for i in members],
+                                              {k: [v[i] for i in members] for k, v in values.items()},
+                                              temperature))
+        out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+        out["importance_weight_max"] = max(s["importance_weight_max"] for s in stats)
+        out.update(tokens=sum(s["tokens"] for s in stats), dropped_tokens=sum(s["dropped_tokens"] for s in stats),
+                   lr=current_lr(self.optimizer), grad_norm=stats[-1]["grad_norm"],
+                   tokens_per_s=sum(lengths) / (time.perf_counter() - start))
+        return out
+
+    def _minibatch_step(self, sequences: list[list[int]], values: dict[str, Sequence[Sequence[float]]],
+                        temperature: float) -> dict[str, float]:
+        cfg, groups = self.ppo_cfg, self.groups
+        n_loss_tokens = max(sum(sum(m) for m in values["loss_mask"]), 1.0)
+        batches = self._plan(sequences, 2 * groups.pp if groups.pp > 1 else 1, values)
+        scale = len(batches) * groups.dp  # undo the schedule's 1/M and DDP's 1/D (module docstring)
+
+        def ppo_loss(mb: PackedMicroBatch, lp: torch.Tensor, ent: torch.Tensor):
+            v = mb.values
+            mask = (v["loss_mask"] > 0) & mb.target_mask
+            loss, st = decoupled_ppo_loss(lp, v["proximal"], v["behaviour"], v["advantages"], mask,
+                                          eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                                          behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+                                          loss_scale_tokens=n_loss_tokens)
+            kl_sum = 0.0
+            if cfg.kl_coef > 0:
+                kl = torch.where(mask, kl_penalty(lp, v["reference"]), torch.zeros_like(lp))
+                loss = loss + cfg.kl_coef * kl.sum() / n_loss_tokens
+                kl_sum = float(kl.sum())
+            n = st["tokens"]
+            report = {"loss": float(loss), "tokens": n, "clipped": st["clip_fraction"] * n,
+                      "iw_sum": st["importance_weight_mean"] * n, "iw_max": st["importance_weight_max"],
+                      "dropped_tokens": st["dropped_tokens"], "entropy_sum": float(ent[mask].sum()),
+                      "kl_sum": kl_sum}
+            return loss * scale, report
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = run_microbatches(self.model, batches, groups,
+                                   vocab_size=self.arch.vocab_size, temperature=temperature, loss_fn=ppo_loss,
+                                   forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        reducer = StatsReducer()
+        for rep in reports:
+            reducer.add(rep)
+        out = reducer.reduce(groups.is_last_stage and groups.tp_rank == 0, (groups.mp_group, groups.dp_group))
+        out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        out["n_microbatches"] = float(len(batches))
+        return out

@@ -1,0 +1,50 @@
+"""Run packed micro-batches through Megatron's pipeline schedule.
+
+``run_microbatches`` feeds a list of ``PackedMicroBatch`` to ``get_forward_backward_func()``
+(no pipelining, or 1F1B with PP > 1) and returns what ``loss_fn`` reported per micro-batch. Only
+the last pipeline stage calls ``loss_fn``; other stages get an empty list.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_areal.actor.logprobs import vocab_parallel_logprobs
+from megatron_areal.actor.microbatch import PackedMicroBatch
+from megatron_areal.actor.parallel import ParallelGroups
+
+# loss_fn(micro_batch, logprobs [T], entropy [T]) -> (scalar loss for backward, report dict)
+LossFn = Callable[[PackedMicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def _on_last_stage(mb: PackedMicroBatch, groups: ParallelGroups, vocab_size: int, temperature: float,
+                   loss_fn: LossFn, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    logprobs, entropy = vocab_parallel_logprobs(
+        logits[0], mb.targets, tp_group=groups.tp_group, tp_rank=groups.tp_rank, vocab_size=vocab_size,
+        temperature=temperature)
+    return loss_fn(mb, logprobs, entropy)
+
+
+def run_microbatches(model: list[torch.nn.Module], batches: list[PackedMicroBatch], groups: ParallelGroups, *,
+                     vocab_size: int, temperature: float, loss_fn: LossFn,
+                     forward_only: bool) -> list[dict[str, Any]]:
+    """One pass over ``batches`` (forward, plus backward unless ``forward_only``)."""
+    if not batches:
+        return []
+    device = groups.device
+    moved = [mb.to(device) for mb in batches]
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        out = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        return out, functools.partial(_on_last_stage, mb, groups, vocab_size, temperature, loss_fn)
+
+    schedule = get_forward_backward_func()
+    outputs = schedule(forward_step_func=forward_step, data_iterator=iter(moved), model=model,
+                       num_microbatches=len(moved), seq_length=max(mb.n_tokens for mb in moved),
+                       micro_batch_size=1, forward_only=forward_only)
+    return list(outputs) if groups.is_last_stage else []

@@ -1,0 +1,209 @@
+"""The Megatron actor at TP2, PP2, TP2PP2, DP4 and TP2 + sequence parallel equals one process.
+
+One spawned 4-process gloo group is reused for every layout (``init_parallel`` tears down and
+re-creates Megatron's groups), and one extra single process computes the reference; both start
+together at module setup. Each layout: logprobs of a packed batch, one decoupled-PPO step, and
+logprobs after the step, all compared in fp32.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_areal.convert.arch import ModelArch
+
+pytestmark = pytest.mark.timeout(600)
+
+ARCHS = {
+    # Qwen3-style: q/k norm, tied embeddings (PP syncs the tied weight); qkv bias to exercise it too
+    "qwen3": ModelArch(model_type="qwen3", vocab_size=500, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
+                       rope_theta=1e6, rope_scaling=None, qkv_bias=True, qk_norm=True, tie_word_embeddings=True),
+    # Llama-style with llama3 RoPE scaling and an untied output layer
+    "llama": ModelArch(model_type="llama", vocab_size=500, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, qkv_bias=False, qk_norm=False, tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+}
+LAYOUTS = {  # name: (arch, tp, pp, sequence_parallel); the 4-process world gives dp = 4 / (tp * pp)
+    "tp2": ("llama", 2, 1, False),
+    "pp2": ("qwen3", 1, 2, False),
+    "tp2pp2": ("qwen3", 2, 2, False),
+    "dp4": ("llama", 1, 1, False),
+    "tp2_sp": ("qwen3", 2, 1, True),
+}
+TEMPERATURE = 0.7
+
+
+def _trajectories() -> list[Any]:
+    from megatron_areal.rollout.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, (p, o) in enumerate([(5, 9), (3, 20), (7, 4), (4, 13), (6, 6), (2, 27), (8, 3), (5, 11)]):
+        out.append(Trajectory(
+            prompt_ids=torch.randint(0, 500, (p,), generator=g).tolist(),
+            output_ids=torch.randint(0, 500, (o,), generator=g).tolist(),
+            output_logprobs=(-6.2 + 0.3 * torch.randn(o, generator=g)).tolist(),
+            group_id=i // 4, reward=float(i % 3 == 0)))
+    return out
+
+
+def _actor(arch_name: str, tp: int, pp: int, sp: bool, budget: int = 48):
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+
+    groups = init_parallel(tp, pp, seed=3, backend="gloo")
+    return Actor(ARCHS[arch_name], ModelConfig(max_seq_len=40, dtype="float32"),
+                 ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, max_tokens_per_mb=budget),
+                 OptimizerConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0, distributed=True),
+                 PPOConfig(n_minibatches=2, behav_imp_weight_cap=5.0), groups, seed=3, total_steps=4)
+
+
+def case_layout(arch_name: str, tp: int, pp: int, sp: bool) -> dict[str, Any]:
+    """Logprobs before, PPO stats, logprobs after, on this rank."""
+    from megatron_areal.actor.parallel import teardown_parallel
+
+    trajs = _trajectories()
+    actor = _actor(arch_name, tp, pp, sp)
+    seqs = [t.input_ids for t in trajs]
+    before, entropy = actor.compute_logprobs(seqs, TEMPERATURE, with_entropy=True)
+    stats = actor.ppo_update(trajs, TEMPERATURE)
+    after = actor.compute_logprobs(seqs, TEMPERATURE)
+    teardown_parallel()
+    return {"before": [x.tolist() for x in before], "entropy": [x.tolist() for x in entropy],
+            "after": [x.tolist() for x in after], "stats": stats}
+
+
+def case_reference(arch_name: str) -> dict[str, Any]:
+    """Single process: the layout case, plus per-sequence unpacked logprobs and full-vocab checks."""
+    from megatron_areal.actor.parallel import teardown_parallel
+
+    out = case_layout(arch_name, 1, 1, False)
+    actor = _actor(arch_name, 1, 1, False)
+    seqs = [t.input_ids for t in _trajectories()]
+    out["unpacked"] = [actor.compute_logprobs([s], TEMPERATURE)[0].tolist() for s in seqs]
+    full, full_entropy = [], []
+    with torch.no_grad():
+        chunk = actor.model[0].module
+        for s in seqs:  # plain forward of one unpacked sequence, full (unsharded) vocabulary
+            logits = chunk(torch.tensor([s]), torch.arange(len(s))[None], None)[0, :-1, :500]
+            logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+            full.append(logp.gather(-1, torch.tensor(s[1:])[:, None])[:, 0].tolist())
+            full_entropy.append((-(logp.exp() * logp).sum(-1)).tolist())
+    out["full_vocab"], out["full_entropy"] = full, full_entropy
+    teardown_parallel()
+    return out
+
+
+def _worker(rank: int, world: int, port: int, commands: Any, results: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while (item := commands.get()) is not None:
+        fn, kwargs = item
+        try:
+            results.put((rank, True, fn(**kwargs)))
+        except Exception:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Group:
+    """``world`` spawned processes that run the same function together."""
+
+    def __init__(self, world: int) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.commands = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.commands[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def submit(self, fn: Any, **kwargs: Any) -> None:
+        for q in self.commands:
+            q.put((fn, kwargs))
+
+    def collect(self, timeout: float = 300) -> list[Any]:
+        out: dict[int, Any] = {}
+        while len(out) < len(self.procs):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"ranks {sorted(set(range(len(self.procs))) - set(out))} did not answer") from None
+            if not ok:
+                self.close(force=True)
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(len(self.procs))]
+
+    def close(self, force: bool = False) -> None:
+        for q, p in zip(self.commands, self.procs):
+            if p.is_alive() and not force:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if force else 30)
+            if p.is_alive():
+                p.terminate()
+
+
+@pytest.fixture(scope="module")
+def groups():
+    four, one = Group(4), Group(1)  # both start now; imports overlap
+    one.submit(case_reference, arch_name="qwen3")
+    ref = {"qwen3": one.collect()[0]}
+    one.submit(case_reference, arch_name="llama")
+    ref["llama"] = one.collect()[0]
+    one.close()
+    yield four, ref
+    four.close()
+
+
+def _close(a: list[list[float]], b: list[list[float]], atol: float) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    worst = max(float((torch.tensor(x) - torch.tensor(y)).abs().max()) for x, y in zip(a, b))
+    assert worst <= atol, f"max difference {worst:.3g} > {atol}"
+    return worst
+
+
+def test_packed_equals_unpacked_and_full_vocab(groups):
+    _, ref = groups
+    for r in ref.values():
+        _close(r["before"], r["unpacked"], 1e-5)
+        _close(r["before"], r["full_vocab"], 1e-5)  # temperature path == log_softmax(logits / T)
+        _close(r["entropy"], r["full_entropy"], 1e-4)
+        assert r["stats"]["tokens"] == sum(len(t.output_ids) for t in _trajectories())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(groups, layout):
+    four, ref = groups
+    arch, tp, pp, sp = LAYOUTS[layout]
+    four.submit(case_layout, arch_name=arch, tp=tp, pp=pp, sp=sp)
+    results = four.collect()
+    want = ref[arch]
+    for rank, got in enumerate(results):  # every rank returns every sequence's logprobs
+        _close(got["before"], want["before"], 1e-5)
+        _close(got["entropy"], want["entropy"], 1e-4)
+        _close(got["after"], want["after"], 2e-5)
+        for key in ("loss", "grad_norm", "clip_fraction", "importance_weight_mean", "tokens", "dropped_tokens"):
+            assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-4, abs=1e-6), (rank, key)
+    # the update changed the policy, so matching "after" is not trivially matching "before"
+    assert max(abs(a - b) for x, y in zip(want["after"], want["before"]) for a, b in zip(x, y)) > 1e-3
