@@ -12,11 +12,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
-from megatron_areal.server.api import Api
-from megatron_areal.server.engine import Engine, EngineOptions
-
 log = logging.getLogger(__name__)
 
 
@@ -47,15 +42,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def load_tokenizer(model: str) -> Any:
-    folder = Path(model)
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
-
-
 def write_registration(directory: str, server_id: str, info: dict[str, Any]) -> Path:
     """Atomic: a reader sees the whole file or none of it."""
     folder = Path(directory)
@@ -68,6 +54,13 @@ def write_registration(directory: str, server_id: str, info: dict[str, Any]) -> 
 
 
 async def serve(args: argparse.Namespace) -> None:
+    # Imported here so that argument errors are reported before torch loads.
+    from aiohttp import web
+
+    from megatron_areal.server.api import Api
+    from megatron_areal.server.engine import Engine, EngineOptions
+    from megatron_areal.server.tokenizer import load_tokenizer
+
     opts = EngineOptions(max_running=args.max_running, max_queue=args.max_queue,
                          context_length=args.context_length, max_prefill_tokens=args.max_prefill_tokens,
                          seed=args.seed, device=args.device, dtype=args.dtype, weight_version=args.weight_version)
@@ -102,7 +95,7 @@ async def serve(args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
-def _bound_port(runner: web.AppRunner, requested: int) -> int:
+def _bound_port(runner: Any, requested: int) -> int:
     for addr in runner.addresses:
         if isinstance(addr, tuple) and len(addr) >= 2:
             return int(addr[1])

@@ -1,0 +1,167 @@
+"""The rollout client against a real embedded server, and its handling of SGLang version differences."""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from aiohttp import web
+
+from megatron_areal.assets import make_tiny_model
+from megatron_areal.realloc.group import WeightUpdateGroup
+from megatron_areal.rollout.client import GenerateResult, RolloutClient, ServerError
+from megatron_areal.server.local import free_port, start_embedded
+from megatron_areal.server.weights import read_safetensors
+
+KEY = "k"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("client-models")
+    return (make_tiny_model(root / "a", "qwen2", seed=0, max_position_embeddings=4096),
+            make_tiny_model(root / "b", "qwen2", seed=1, max_position_embeddings=4096))
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    with start_embedded(models[0], args=["--api-key", KEY, "--context-length", "4096", "--weight-version", "0"]) as s:
+        yield s
+
+
+@pytest.fixture
+def arun(server):
+    """Run ``fn(client)`` with a client of the module's server in a fresh event loop."""
+    def run(fn):
+        async def main():
+            async with RolloutClient(server.url, api_key=KEY, timeout_s=60) as client:
+                return await fn(client)
+        return asyncio.run(main())
+    return run
+
+
+def test_generate_and_info(arun, server) -> None:
+    async def body(c: RolloutClient):
+        res = await c.generate([1, 2, 3], {"max_new_tokens": 6, "temperature": 0.5, "ignore_eos": True})
+        return res, await c.weight_version(), await c.health(), await c.load(), await c.model_info()
+    res, version, healthy, load, info = arun(body)
+    assert len(res.output_ids) == len(res.output_logprobs) == 6 and res.finish_reason == "length"
+    assert res.output_versions == ["0"] * 6 and res.prompt_tokens == 3 and res.completion_tokens == 6
+    assert all(lp <= 0 for lp in res.output_logprobs)
+    assert version == "0" and healthy and load == 0 and info["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_pause_resume_and_disk_update(arun, server, models) -> None:
+    async def body(c: RolloutClient):
+        long = asyncio.create_task(c.generate([5, 6], {"max_new_tokens": 3000, "ignore_eos": True}, rid="r1"))
+        while await c.load() == 0:
+            await asyncio.sleep(0.02)
+        await c.pause()
+        partial = await long
+        waiting = asyncio.create_task(c.generate([5, 6] + partial.output_ids, {"max_new_tokens": 4,
+                                                                               "ignore_eos": True}))
+        await c.update_weights_from_disk(str(models[1]), weight_version="1")
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await c.resume()
+        rest = await waiting
+        await c.update_weights_from_disk(str(models[0]), weight_version="0")
+        return partial, rest
+    partial, rest = arun(body)
+    assert partial.finish_reason == "abort" and 0 < len(partial.output_ids) < 3000
+    assert rest.finish_reason == "length" and rest.output_versions == ["1"] * 4
+
+
+def test_abort_all(arun, server) -> None:
+    async def body(c: RolloutClient):
+        tasks = [asyncio.create_task(c.generate([1], {"max_new_tokens": 3000, "ignore_eos": True}))
+                 for _ in range(3)]
+        while await c.load() < 3:
+            await asyncio.sleep(0.02)
+        await c.abort_all()
+        return await asyncio.gather(*tasks)
+    assert all(r.finish_reason == "abort" for r in arun(body))
+
+
+def test_distributed_update_through_client(arun, server, models) -> None:
+    new = read_safetensors(models[1])
+    names = list(new)
+    port = free_port()
+
+    async def body(c: RolloutClient):
+        with ThreadPoolExecutor(1) as ex:
+            joining = asyncio.get_running_loop().run_in_executor(ex, lambda: WeightUpdateGroup(
+                master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=60))
+            await c.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                              world_size=2)
+            group = await joining
+            await c.begin_weight_update()
+            update = asyncio.create_task(c.update_weights_from_distributed(
+                names=names, dtypes=["float32"] * len(names), shapes=[list(new[n].shape) for n in names],
+                weight_version="7"))
+            for n in names:
+                await asyncio.get_running_loop().run_in_executor(ex, group.broadcast, new[n].clone())
+            await update
+            await c.end_weight_update()
+            await c.destroy_weights_update_group()
+            group.destroy()
+        return await c.weight_version()
+    assert arun(body) == "7"
+
+
+def test_errors_name_the_server(server) -> None:
+    async def body():
+        async with RolloutClient(server.url, api_key="wrong") as c:
+            with pytest.raises(ServerError, match="HTTP 401") as e:
+                await c.generate([1], {})
+            assert server.url in str(e.value) and e.value.status == 401
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with RolloutClient(dead, control_timeout_s=5) as c:
+            with pytest.raises(ServerError, match=dead):
+                await c.pause()
+            assert not await c.health()
+        async with RolloutClient(server.url, api_key=KEY) as c:
+            with pytest.raises(ServerError, match="update_weights_from_disk.*no \\*.safetensors"):
+                await c.update_weights_from_disk("/nonexistent")
+    asyncio.run(body())
+
+
+def test_older_sglang_fallbacks() -> None:
+    """SGLang 0.5.9+: /get_weight_version is 404 (read /model_info); 0.5.2: /get_load; no begin/end."""
+    async def model_info(_: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "12", "model_path": "m"})
+
+    async def get_load(_: web.Request) -> web.Response:
+        return web.json_response([{"num_reqs": 2, "num_waiting_reqs": 3}])
+
+    async def body():
+        app = web.Application()
+        app.router.add_get("/model_info", model_info)
+        app.router.add_get("/get_load", get_load)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with RolloutClient(f"127.0.0.1:{port}") as c:
+                assert await c.weight_version() == "12"
+                assert await c.load() == 5
+                await c.begin_weight_update()  # 404 from servers that don't need it: ignored
+        finally:
+            await runner.cleanup()
+    asyncio.run(body())
+
+
+def test_result_parsing_of_sglang_0523_reply() -> None:
+    reply = {"text": "x", "output_ids": [4, 5, 6, 2], "meta_info": {
+        "id": "a", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 9, "completion_tokens": 4,
+        "weight_version": "3", "output_token_logprobs": [[-0.5, 4, None], [-1.0, 5, None], [-0.1, 6, None],
+                                                         [-0.2, 2, None]],
+        "weight_versions": [{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 4}]}}
+    r = GenerateResult.from_response(reply)
+    assert r.finish_reason == "stop" and r.output_logprobs == [-0.5, -1.0, -0.1, -0.2]
+    assert r.output_versions == ["2", "2", "3", "3"] and r.prompt_tokens == 9
+    bare = GenerateResult.from_response({"output_ids": [1], "meta_info": {
+        "finish_reason": {"type": "abort", "message": "m"}, "weight_version": "5",
+        "output_token_logprobs": [[-0.3, 1, None]]}})
+    assert bare.finish_reason == "abort" and bare.output_versions == ["5"] and bare.prompt_tokens == 0

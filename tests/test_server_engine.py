@@ -1,0 +1,148 @@
+"""The engine in-process: every model family against transformers, sampling, continuous batching."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megatron_areal.server.engine import Engine, EngineOptions, QueueFull
+from megatron_areal.server.sampler import SamplingParams, sample
+from megatron_areal.server.scheduler import Request
+
+PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5], [10, 20, 30, 40, 50, 60, 70]]
+
+
+def run(engine: Engine, jobs: list[tuple[str, list[int], SamplingParams]], timeout: float = 120) -> dict[str, Request]:
+    done: dict[str, Request] = {}
+    finished = threading.Event()
+
+    def on_finish(r: Request) -> None:
+        done[r.rid] = r
+        if len(done) == len(jobs):
+            finished.set()
+
+    engine.submit(jobs, on_finish)
+    assert finished.wait(timeout), "requests did not finish"
+    return done
+
+
+@pytest.fixture
+def engine_for(request):
+    engines = []
+
+    def make(path, **kw) -> Engine:
+        e = Engine(path, EngineOptions(**{"max_running": 4, "context_length": 256, **kw}))
+        e.start()
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.stop()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_family_matches_transformers(family: str, engine_for, request) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(f"tiny_{family}")
+    engine = engine_for(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    greedy = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    hot = SamplingParams(max_new_tokens=12, temperature=0.6, ignore_eos=True, seed=7)
+    done = run(engine, [(f"g{i}", p, greedy) for i, p in enumerate(PROMPTS)]
+               + [(f"s{i}", p, hot) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert done[f"g{i}"].output_ids == ref
+        for rid, temp in ((f"g{i}", 1.0), (f"s{i}", 0.6)):
+            r = done[rid]
+            with torch.no_grad():
+                logits = hf(torch.tensor([r.all_ids])).logits[0].float()
+            lp = torch.log_softmax(logits / temp, -1)
+            ref_lp = [lp[len(prompt) - 1 + k, t].item() for k, t in enumerate(r.output_ids)]
+            assert max(abs(a - b) for a, b in zip(r.output_logprobs, ref_lp, strict=True)) <= 1e-4
+
+
+def test_seeded_sampling_independent_of_batch(tiny_llama, engine_for) -> None:
+    engine = engine_for(tiny_llama)
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, seed=42)
+    alone = run(engine, [("a", PROMPTS[0], sp)])["a"].output_ids
+    other = SamplingParams(max_new_tokens=30, temperature=1.0, ignore_eos=True)
+    crowd = run(engine, [("b", PROMPTS[1], other), ("a", PROMPTS[0], sp), ("c", PROMPTS[2], other)])
+    assert crowd["a"].output_ids == alone
+    unseeded = run(engine, [("x", PROMPTS[0], SamplingParams(max_new_tokens=16, ignore_eos=True)),
+                            ("y", PROMPTS[0], SamplingParams(max_new_tokens=16, ignore_eos=True))])
+    assert unseeded["x"].output_ids != unseeded["y"].output_ids
+
+
+def test_top_k_top_p_stay_in_support() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(top_k=3), SamplingParams(top_p=0.3), SamplingParams(top_k=1, temperature=2.0),
+              SamplingParams(temperature=0)]
+    top3 = logits.topk(3, dim=-1).indices
+    probs = torch.softmax(logits, -1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    nucleus = order[1][: int((sorted_p[1].cumsum(0) - sorted_p[1] < 0.3).sum())]
+    for seed in range(200):
+        gens = [torch.Generator().manual_seed(seed * 4 + i) for i in range(4)]
+        tokens, logprobs = sample(logits, params, gens)
+        assert tokens[0] in top3[0] and tokens[1] in nucleus
+        assert tokens[2] == logits[2].argmax() and tokens[3] == logits[3].argmax()
+        # Logprobs come from the temperature-scaled, untruncated distribution (T=1 when greedy).
+        assert torch.isclose(logprobs[0], torch.log_softmax(logits[0], -1)[tokens[0]])
+        assert torch.isclose(logprobs[2], torch.log_softmax(logits[2], -1)[tokens[2]])
+
+
+def test_short_request_overtakes_long_one(tiny_llama, engine_for) -> None:
+    """Continuous batching: a request that joins mid-flight finishes while the long one still runs."""
+    engine = engine_for(tiny_llama, max_running=2)
+    order: list[str] = []
+    finished = threading.Event()
+
+    def on_finish(r: Request) -> None:
+        order.append(r.rid)
+        if len(order) == 2:
+            finished.set()
+
+    engine.submit([("long", PROMPTS[0], SamplingParams(max_new_tokens=200, ignore_eos=True))], on_finish)
+    while not engine.scheduler.running:
+        threading.Event().wait(0.005)
+    engine.submit([("short", PROMPTS[1], SamplingParams(max_new_tokens=3, ignore_eos=True))], on_finish)
+    assert finished.wait(60)
+    assert order == ["short", "long"]
+    assert engine.cache.free_slots == 2
+
+
+def test_slots_bound_running_and_queue_bound_waiting(tiny_llama, engine_for) -> None:
+    engine = engine_for(tiny_llama, max_running=2, max_queue=6)
+    sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    done = run(engine, [(str(i), PROMPTS[i % 3], sp) for i in range(6)])
+    assert all(len(r.output_ids) == 5 for r in done.values())
+    engine.pause("in_place")
+    engine.submit([(f"q{i}", [1], sp) for i in range(6)], lambda r: None)
+    with pytest.raises(QueueFull):
+        engine.submit([("one-too-many", [1], sp)], lambda r: None)
+    assert engine.abort(None) == 6
+
+
+def test_stop_rules_and_context_limit(tiny_llama, engine_for) -> None:
+    engine = engine_for(tiny_llama, context_length=16)
+    greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)
+    res = run(engine, [("c", [1, 2, 3, 4], SamplingParams(**greedy))])["c"]
+    assert res.finish_reason == {"type": "length", "length": 12} and len(res.all_ids) == 16
+    target = res.output_ids[2]
+    k = res.output_ids.index(target)
+    stopped = run(engine, [("s", [1, 2, 3, 4], SamplingParams(**greedy, stop_token_ids=(target,)))])["s"]
+    assert stopped.output_ids == res.output_ids[: k + 1] and stopped.finish_reason == {"type": "stop",
+                                                                                     "matched": target}
+    # min_new_tokens masks the stop until enough tokens exist; EOS counts as a stop unless ignore_eos.
+    late = run(engine, [("m", [1, 2, 3, 4], SamplingParams(**greedy, stop_token_ids=(target,),
+                                                           min_new_tokens=k + 2))])["m"]
+    assert len(late.output_ids) > k + 1
+    eos_run = run(engine, [("e", [1, 2, 3, 4], SamplingParams(max_new_tokens=12, temperature=0))])["e"]
+    expected = next((i for i, t in enumerate(res.output_ids) if t in engine.scheduler.eos_ids), None)
+    assert eos_run.output_ids == res.output_ids[: (expected + 1) if expected is not None else 12]

@@ -1,0 +1,48 @@
+"""The SGLang launcher: command construction, and the wait logic against the embedded server."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from megatron_areal.server.local import free_port
+from megatron_areal.server.sglang_launcher import LaunchError, SGLangLaunch, start_server, stop_server, wait_healthy
+
+
+def test_sglang_command_has_rollout_flags() -> None:
+    spec = SGLangLaunch(model_path="/m", port=31000, host="0.0.0.0", tp=4, mem_fraction=0.8, api_key="k",
+                        weight_version="3", seed=7, context_length=8192)
+    cmd = spec.command(python="python")
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=True))
+    assert flags == {"--model-path": "/m", "--tp-size": "4", "--dp-size": "1", "--host": "0.0.0.0",
+                     "--port": "31000", "--mem-fraction-static": "0.8", "--api-key": "k", "--weight-version": "3",
+                     "--random-seed": "7", "--context-length": "8192"}
+    assert spec.url == "http://0.0.0.0:31000"
+    bare = SGLangLaunch(model_path="/m", port=1, mem_fraction=None).command(python="p")
+    assert "--api-key" not in bare and "--mem-fraction-static" not in bare
+
+
+def test_wait_healthy_on_embedded_server(tiny_llama, tmp_path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "megatron_areal.server.cli", "--model", str(tiny_llama), "--port", str(port)]
+    proc = start_server(cmd, url, tmp_path / "log", timeout_s=120)
+    try:
+        wait_healthy(url, timeout_s=5)
+    finally:
+        stop_server(proc)
+    assert proc.returncode is not None
+
+
+def test_early_exit_reports_log_tail(tmp_path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "megatron_areal.server.cli", "--model", str(tmp_path), "--port", str(port)]
+    with pytest.raises(LaunchError, match="(?s)exited with code 2.*no config.json"):
+        start_server(cmd, f"http://127.0.0.1:{port}", tmp_path / "log", timeout_s=60)
+
+
+def test_timeout_names_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(LaunchError, match=f"{url} not healthy after 1s"):
+        wait_healthy(url, timeout_s=1, poll_s=0.2)
