@@ -14,6 +14,7 @@ RLIMIT_NPROC is not enforced for root, so when the service runs as root the sand
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import resource
 import shutil
@@ -24,6 +25,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 NOBODY = 65534
 _PR_SET_PDEATHSIG = 1
@@ -166,3 +169,4 @@ def check_sandbox(limits: SandboxLimits) -> None:
         raise SandboxUnavailable(
             f"bubblewrap cannot start a sandbox here ({result.describe()}); it needs user namespaces "
             f"(sysctl kernel.unprivileged_userns_clone=1) or a setuid bwrap. stderr: {result.stderr_tail.strip()}")
+    logger.info("code sandbox ready: bubblewrap, uid %d, %s", _sandbox_uid(), choose_python(limits.python))

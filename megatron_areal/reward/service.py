@@ -72,13 +72,13 @@ class RewardService:
         worker = self._idle.get()
         try:
             result = worker.run((task, response_text, answer), self.config.timeout_s)
+            self._record(result)
             if result.status != "ok":
                 logger.warning("reward %s for task '%s': %s", result.status, task, result.detail)
-            if not worker.alive:
+            if not worker.alive:  # killed after a timeout, or crashed: the pool keeps its size
                 worker = self._replace(worker)
         finally:
             self._idle.put(worker)
-        self._record(result)
         return result
 
     async def score(self, task: str, response_text: str, answer: Any) -> RewardResult:
