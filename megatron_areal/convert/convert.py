@@ -36,7 +36,8 @@ def save_hf_as_mcore_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
     arch = load_arch(hf_dir)
     groups = init_parallel(tp=tp, pp=pp, backend="gloo")
     try:
-        chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, dtype=getattr(torch, dtype))
+        chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
+                             dtype=getattr(torch, dtype))
         load_hf_weights(chunks, hf_dir, arch, groups.tp_rank, groups.tp)
         dist_ckpt.save_model(chunks, out_dir)
     finally:

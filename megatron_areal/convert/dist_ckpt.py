@@ -93,17 +93,23 @@ def hf_arch_from_ckpt(ckpt_dir: Path) -> ModelArch:
 
 
 def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    from megatron_areal.convert.weights import unwrap
+
+    chunks = [unwrap(c) for c in chunks]
     if len(chunks) == 1:
         return chunks[0].sharded_state_dict()
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def load_model_state(chunks: Sequence[torch.nn.Module], state: dict[str, Any]) -> None:
+    from megatron_areal.convert.weights import unwrap
+
+    chunks = [unwrap(c) for c in chunks]
     if len(chunks) == 1:
-        chunks[0].load_state_dict(state, strict=False)
+        chunks[0].load_state_dict(state, strict=True)
         return
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state[f"model{i}"], strict=False)
+        chunk.load_state_dict(state[f"model{i}"], strict=True)
 
 
 def save_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:

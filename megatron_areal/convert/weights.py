@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,16 @@ def layer_offset(chunk: torch.nn.Module) -> int:
     return int(layers[0].layer_number) - 1
 
 
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
 def named_global_params(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(global Megatron name, parameter) of a chunk; layer indices are whole-model indices."""
+    """(global Megatron name, parameter) of a (possibly wrapped) chunk; layer indices are whole-model."""
+    chunk = unwrap(chunk)
     offset = layer_offset(chunk)
     for name, param in chunk.named_parameters():
         yield mapping.canonical(mapping.global_name(name, offset)), param
@@ -46,8 +55,12 @@ def _source_name(arch: ModelArch, name: str) -> str:
 
 @torch.no_grad()
 def load_hf_weights(chunks: Sequence[torch.nn.Module], hf: str | Path | HFReader, arch: ModelArch,
-                    tp_rank: int, tp_size: int) -> int:
-    """Copy HF weights into this rank's chunks; returns the number of parameters filled."""
+                    tp_rank: int, tp_size: int, optimizer: Any = None) -> int:
+    """Copy HF weights into this rank's chunks; returns the number of parameters filled.
+
+    Chunks may be wrapped in Megatron DDP. Pass the optimizer when it already exists, so its
+    fp32 main copies (bf16 training) pick up the new weights.
+    """
     reader = hf if isinstance(hf, HFReader) else HFReader(hf, arch)
     filled = 0
     for chunk in chunks:
@@ -60,6 +73,8 @@ def load_hf_weights(chunks: Sequence[torch.nn.Module], hf: str | Path | HFReader
                                  f"but the model expects {tuple(param.shape)}")
             param.copy_(local)
             filled += 1
+    if optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
     log.info("loaded %d parameters from %s (tp rank %d/%d)", filled, reader.dir, tp_rank, tp_size)
     return filled
 

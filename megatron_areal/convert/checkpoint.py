@@ -1,0 +1,187 @@
+"""Training checkpoints: model, distributed optimizer, LR schedule, RNG and the trainer's own state.
+
+One checkpoint is one ``megatron.core.dist_checkpointing`` directory ``<root>/step_<N>``:
+
+- model and optimizer state as global sharded tensors (the optimizer in Megatron's
+  ``fully_sharded_model_space`` form), so a checkpoint saved at one TP/PP/DP layout resumes at
+  another;
+- the scheduler state and the user's ``extra`` dict (policy version, dataset position, replay
+  buffer, ...) as common state written once by rank 0;
+- every rank's RNG states (torch, Python, NumPy, Megatron's model-parallel tracker), restored only
+  when the layout is unchanged, since a different layout has different ranks;
+- ``megatron_areal.json`` and ``hf/`` as in a conversion checkpoint, so ``convert mcore-to-hf``
+  turns any training checkpoint into an HF folder.
+
+Saving is atomic: ranks write into ``<root>/.step_<N>.tmp`` and rank 0 renames it once all ranks
+are done, then deletes all but the newest ``keep``. A crash mid-save leaves the previous
+checkpoints untouched and the temporary directory is ignored (and removed by the next save).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_areal.actor.parallel import ParallelGroups
+from megatron_areal.convert import dist_ckpt
+from megatron_areal.convert.arch import ModelArch
+from megatron_areal.convert.weights import unwrap
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_OPTIMIZER_META = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Finished checkpoints under ``root`` as (step, path), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        m = _STEP_DIR.match(path.name)
+        if m and (path / dist_ckpt.META).is_file():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_sharded(groups: ParallelGroups, state: Any) -> Any:
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    return ShardedObject("rng_state", state, (groups.pp, groups.tp, groups.dp),
+                         (groups.pp_rank, groups.tp_rank, groups.dp_rank), replica_id=0)
+
+
+class Checkpointer:
+    """Save and resume the training state of one run under ``root`` (collective calls)."""
+
+    def __init__(self, root: str | Path, arch: ModelArch, groups: ParallelGroups, *, keep: int = 2,
+                 hf_dir: str | Path | None = None, hf_dtype: torch.dtype = torch.float32) -> None:
+        if keep < 1:
+            raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+        self.root, self.arch, self.groups, self.keep = Path(root), arch, groups, keep
+        self.hf_dir = Path(hf_dir) if hf_dir else None
+        self.hf_dtype = hf_dtype
+
+    def _state(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, is_loading: bool,
+               with_rng: bool) -> dict[str, Any]:
+        chunks = [unwrap(c) for c in model]
+        model_sd = dist_ckpt.model_sharded_state_dict(chunks)
+        state: dict[str, Any] = {"model": model_sd}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                              metadata=_OPTIMIZER_META)
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
+        if with_rng:
+            state["rng"] = _rng_sharded(self.groups, _rng_state())
+        return state
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def save(self, step: int, model: list[torch.nn.Module], optimizer: Any, scheduler: Any,
+             extra: dict[str, Any] | None = None) -> Path:
+        """Write checkpoint ``step`` on all ranks; returns its final path."""
+        from megatron.core import dist_checkpointing
+
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f".step_{step:08d}.tmp"
+        if dist.get_rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self._barrier()
+        state = self._state(model, optimizer, scheduler, is_loading=False, with_rng=True)
+        state["extra"] = extra or {}
+        state["step"] = step
+        dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
+        self._barrier()
+        if dist.get_rank() == 0:
+            dist_ckpt.write_meta(tmp, self.arch, self.hf_dir, self.hf_dtype, self.groups.tp, self.groups.pp)
+            self._write_layout(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        self._barrier()
+        log.info("saved checkpoint %s", final)
+        return final
+
+    def _write_layout(self, path: Path) -> None:
+        (path / "layout.txt").write_text(f"{self.groups.tp} {self.groups.pp} {self.groups.dp}\n")
+
+    def _same_layout(self, path: Path) -> bool:
+        try:
+            tp, pp, dp = map(int, (path / "layout.txt").read_text().split())
+        except (OSError, ValueError):
+            return False
+        return (tp, pp, dp) == (self.groups.tp, self.groups.pp, self.groups.dp)
+
+    def _prune(self) -> None:
+        for _, path in list_checkpoints(self.root)[:-self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+        for stale in self.root.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
+
+    def load(self, path: str | Path, model: list[torch.nn.Module], optimizer: Any = None, scheduler: Any = None
+             ) -> tuple[int, dict[str, Any]]:
+        """Restore everything given from ``path``; returns (step, extra)."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        dist_ckpt.check_same_model(path, self.arch)
+        same_layout = self._same_layout(path)
+        if not same_layout:
+            log.info("%s was saved at another layout; RNG states are not restored", path)
+        request = self._state(model, optimizer, scheduler, is_loading=True, with_rng=same_layout)
+        request.pop("scheduler", None)  # common state: comes back whole
+        loaded = dist_checkpointing.load(request, str(path))
+        dist_ckpt.load_model_state([unwrap(c) for c in model], loaded["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(loaded["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(loaded["scheduler"])
+        if same_layout:
+            _set_rng_state(loaded["rng"])
+        log.info("resumed from %s (step %d)", path, loaded["step"])
+        return int(loaded["step"]), loaded.get("extra", {})
