@@ -15,6 +15,7 @@ from megatron_areal.configbase import ConfigError, apply_overrides, from_dict, l
 from megatron_areal.convert.config import CheckpointConfig
 from megatron_areal.data.config import DataConfig
 from megatron_areal.launch.config import ClusterConfig
+from megatron_areal.realloc.config import ReallocConfig
 from megatron_areal.reward.config import RewardConfig
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.server.config import ServerConfig
@@ -57,6 +58,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    realloc: ReallocConfig = field(default_factory=ReallocConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
