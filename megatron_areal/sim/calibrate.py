@@ -74,17 +74,25 @@ def _bisect(fn, lo: float, hi: float, target: float, iters: int, log_scale: bool
     return math.sqrt(lo * hi) if log_scale else (lo + hi) / 2
 
 
-def _train_busy_rate(sc: Scenario, mfu: float) -> float:
-    """Trained tokens per busy second at ``mfu`` for one batch of the workload."""
-    sim = dataclasses.replace(sc.sim, train_mfu=mfu)
+def _batch_shape(sc: Scenario, scalars: dict[str, list[float]]) -> tuple[float, float]:
+    """Tokens per trained batch as logged (rate x step time), and the sum of squared sequence
+    lengths (attention cost) of the workload's length law scaled to that token count."""
+    tokens = statistics.fmean(r * t for r, t in zip(scalars["perf/train_tokens_per_s"],
+                                                     scalars["perf/step_time_s"]))
+    sim = sc.sim
     lengths = LengthSampler(sim.prompt_mean_tokens, sim.response_mean_tokens, sim.response_sigma,
                             sc.max_new_tokens, sim.seed)
     seqs = [lengths.prompt() + lengths.response() for _ in range(sc.batch_size * sc.group_size)]
-    tokens, sq = sum(seqs), sum(s * s for s in seqs)
+    scale = tokens / sum(seqs)
+    return tokens, sum((s * scale) ** 2 for s in seqs)
+
+
+def _train_busy_rate(sc: Scenario, sim, tokens: float, sq: float) -> float:
+    """Trained tokens per busy trainer second: the step itself plus sending the weights."""
     cost = CostModel(sc.model, sc.gpu, sim)
     t = cost.train_time(tokens, sq, sc.train_gpus, sc.train_tp, sc.train_pp, sc.n_minibatches,
                         sc.max_tokens_per_mb)
-    return tokens / t
+    return tokens / (t + cost.weight_update_time(sc.train_pp, sc.colocated))
 
 
 def _gen_busy_rate(sc: Scenario) -> float:
@@ -115,13 +123,16 @@ class Calibration:
 def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
     gen_target = _busy_rate(scalars, "perf/gen_tokens_per_s", "perf/generator_idle_fraction")
     train_target = _busy_rate(scalars, "perf/train_tokens_per_s", "perf/trainer_idle_fraction")
-    mfu = _bisect(lambda m: -_train_busy_rate(sc, m), 1e-4, 1.0, -train_target, 40, log_scale=True)
-    sim = dataclasses.replace(sc.sim, train_mfu=mfu)
+    sim = sc.sim
     if "perf/weight_sync_s" in scalars:
         bare = CostModel(sc.model, sc.gpu, dataclasses.replace(sim, update_overhead_s=0.0))
         xfer = bare.weight_update_time(sc.train_pp, sc.colocated)
         sync_s = statistics.fmean(scalars["perf/weight_sync_s"])
         sim = dataclasses.replace(sim, update_overhead_s=max(0.0, sync_s - xfer))
+    tokens, sq = _batch_shape(sc, scalars)
+    mfu = _bisect(lambda m: -_train_busy_rate(sc, dataclasses.replace(sim, train_mfu=m), tokens, sq),
+                  1e-4, 1.0, -train_target, 40, log_scale=True)
+    sim = dataclasses.replace(sim, train_mfu=mfu)
 
     def gen_rate(overhead: float) -> float:
         return _gen_busy_rate(sc.replace(sim=dataclasses.replace(sim, decode_step_overhead_s=overhead)))
