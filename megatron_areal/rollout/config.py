@@ -16,7 +16,8 @@ class RolloutConfig:
     top_k: int = -1
     max_concurrent: int = 64  # in-flight groups across all servers
     filter_equal_rewards: bool = True  # drop groups whose rewards are all equal (no signal)
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # one /generate segment; a server that exceeds it is marked down
+    health_interval_s: float = 5.0  # how often servers marked down are probed for recovery
 
     def validate(self) -> None:
         require(self.batch_size >= 1, "batch_size", "must be >= 1")
@@ -25,6 +26,8 @@ class RolloutConfig:
         require(self.temperature >= 0, "temperature", "must be >= 0")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.max_concurrent >= 1, "max_concurrent", "must be >= 1")
+        require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        require(self.health_interval_s > 0, "health_interval_s", "must be > 0")
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,277 @@
+"""The asynchronous core of the rollout controller: everything here runs on one event loop.
+
+Submission: a group (``group_size`` samples of one prompt, sent as separate requests so each
+can be routed and interrupted on its own) starts only when ``StalenessGate.try_submit`` grants a
+slot, checked again for every group. Finished groups are scored and offered to the buffer; the
+gate learns the outcome (accept / reject / drop), which may open capacity again.
+
+Weight updates: ``pause`` stops new segments and pauses every server, which returns in-flight
+requests with what they have; ``resume(v)`` publishes version ``v`` and lets the interrupted
+samples continue under the new weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from megatron_areal.rollout.buffer import Group, PutResult, ReplayBuffer
+from megatron_areal.rollout.client import RolloutClient
+from megatron_areal.rollout.config import RolloutConfig
+from megatron_areal.rollout.metrics import ThroughputWindow, batch_stats
+from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser, generate_sample
+from megatron_areal.rollout.routing import ServerPool
+from megatron_areal.rollout.sources import PromptLike, PromptSourceLike, ScorerLike
+from megatron_areal.rollout.staleness import StalenessGate
+from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.rollout.wakeup import Signal
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """The rollout loop cannot deliver a batch (timeout, exhausted data, an internal failure)."""
+
+
+class RolloutLoop:
+    def __init__(self, cfg: RolloutConfig, eta: int, server_urls: list[str], prompts: PromptSourceLike,
+                 encode: Callable[[PromptLike], list[int]], decode: Callable[[list[int]], str],
+                 scorer: ScorerLike, *, api_key: str | None = None, version: int = 0) -> None:
+        if not server_urls:
+            raise ValueError("RolloutLoop: no rollout server URLs given")
+        self.cfg, self.eta = cfg, eta
+        self.server_urls, self.api_key = list(server_urls), api_key
+        self.prompts, self.encode, self.decode, self.scorer = prompts, encode, decode, scorer
+        self.version = version
+        self.gate = StalenessGate(eta, cfg.batch_size, cfg.max_concurrent, version)
+        self.buffer = ReplayBuffer(eta, cfg.filter_equal_rewards)
+        self.pool: ServerPool | None = None
+        self.counters = collections.Counter[str]()
+        self.last_batch: dict[str, float] = {}
+        self._parse_version = VersionParser(version)
+        self._inflight: dict[int, PromptLike] = {}  # group id -> prompt, in submission order
+        self._next_gid = 0
+        self._run_id = uuid.uuid4().hex[:8]  # request ids stay unique across restarts
+        self._exhausted = False
+        self._error: BaseException | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._window: ThroughputWindow | None = None
+        self._running: asyncio.Event | None = None
+        self._changed: Signal | None = None
+
+    # ----- lifecycle (on the loop)
+
+    async def start(self) -> None:
+        self._running, self._changed = asyncio.Event(), Signal()
+        self._running.set()
+        self._window = ThroughputWindow()
+        clients = [RolloutClient(u, api_key=self.api_key, timeout_s=self.cfg.request_timeout_s)
+                   for u in self.server_urls]
+        self.pool = ServerPool(clients)
+        self._spawn(self._submit_loop(), "submit")
+        self._spawn(self._health_loop(), "health")
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.pool is not None:
+            # Our requests are gone; stop the servers from finishing them for nobody.
+            await asyncio.gather(*(s.client.abort_all() for s in self.pool.healthy()), return_exceptions=True)
+            await self.pool.close()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._error is None:
+            self._error = task.exception()
+            log.error("rollout task %s failed: %r", task.get_name(), self._error)
+            self._changed.notify()
+
+    # ----- submission
+
+    async def _submit_loop(self) -> None:
+        while True:
+            await self._running.wait()
+            if self._exhausted or self.gate.capacity() < 1:
+                await self._changed.wait()
+                continue
+            try:
+                prompt = self.prompts.next()
+            except StopIteration:
+                self._exhausted = True
+                log.info("prompt stream exhausted; %d groups still running", self.gate.counts().running)
+                self._changed.notify()
+                continue
+            if not self.gate.try_submit():  # single-threaded, so only a bookkeeping bug gets here
+                raise RuntimeError("gate refused a submission its capacity allowed")
+            gid, self._next_gid = self._next_gid, self._next_gid + 1
+            self._inflight[gid] = prompt
+            self._spawn(self._run_group(gid, prompt, self.version), f"group-{gid}")
+
+    async def _run_group(self, gid: int, prompt: PromptLike, version: int) -> None:
+        try:
+            group = await self._generate_group(gid, prompt, version)
+        except SampleError as e:
+            log.error("group %d (prompt %d) failed and is skipped: %s", gid, prompt.index, e)
+            self.counters["sample_failures"] += 1
+            self._finish(gid, None)
+            return
+        self._finish(gid, group)
+
+    async def _generate_group(self, gid: int, prompt: PromptLike, version: int) -> Group:
+        prompt_ids = self.encode(prompt)
+        sampling = {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": self.cfg.top_k}
+        async with asyncio.TaskGroup() as tg:
+            jobs = [tg.create_task(generate_sample(
+                self.pool, prompt_ids, sampling, self.cfg.max_new_tokens, f"{self._run_id}-{gid}-{i}",
+                self._running.wait, self._parse_version, is_paused=lambda: not self._running.is_set(),
+                on_tokens=self._window.add_tokens)) for i in range(self.cfg.group_size)]
+        trajectories = [self._trajectory(gid, prompt, prompt_ids, job.result(), version) for job in jobs]
+        rewards = await asyncio.gather(*(self.scorer.score(prompt.task, self.decode(t.output_ids), prompt.answer)
+                                         for t in trajectories))
+        for traj, result in zip(trajectories, rewards):
+            traj.reward = float(result.reward)
+            if result.status != "ok":
+                self.counters["reward_failures"] += 1
+        return Group(group_id=gid, prompt_index=prompt.index, trajectories=trajectories)
+
+    def _trajectory(self, gid: int, prompt: PromptLike, prompt_ids: list[int], s: SampleOutput,
+                    version: int) -> Trajectory:
+        oldest = min(s.output_versions, default=version)
+        if oldest < version:
+            # A server still on older weights than the gate assumed: its tokens make the sample
+            # older, and the buffer must judge it by the oldest policy that contributed.
+            log.warning("group %d: tokens from version %d although started at %d", gid, oldest, version)
+        return Trajectory(prompt_ids=list(prompt_ids), output_ids=s.output_ids, output_logprobs=s.output_logprobs,
+                          output_versions=s.output_versions, start_version=min(version, oldest), group_id=gid,
+                          prompt_index=prompt.index, answer=prompt.answer, task=prompt.task,
+                          finish_reason=s.finish_reason, interruptions=s.interruptions)
+
+    def _finish(self, gid: int, group: Group | None) -> None:
+        """Settle a group that left flight: into the buffer (accept) or not (reject)."""
+        del self._inflight[gid]
+        outcome = self.buffer.put(group, self.version) if group is not None else None
+        if outcome is PutResult.ACCEPTED:
+            self.gate.on_accept()
+        else:
+            self.gate.on_reject()
+        if outcome is PutResult.STALE:
+            log.info("group %d finished too stale (started at %d, now %d): dropped",
+                     gid, group.start_version, self.version)
+        self._changed.notify()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            for slot in await self.pool.probe_down():
+                if self._running.is_set():  # it may have missed a continue while it was down
+                    try:
+                        await slot.client.resume()
+                    except Exception as e:  # noqa: BLE001 - it failed again; the next request finds out
+                        log.warning("%s: resume after recovery failed: %s", slot.url, e)
+
+    # ----- trainer-facing operations (called through the controller thread bridge)
+
+    async def take_batch(self, timeout: float) -> list[Trajectory]:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            if self._error is not None:
+                raise RolloutError(f"rollout loop failed: {self._error!r}") from self._error
+            batch, dropped = self.buffer.take(self.version, self.cfg.batch_size)
+            if dropped:
+                self.gate.on_drop(len(dropped))
+                self._changed.notify()
+            if batch is not None:
+                trajectories = [t for g in batch for t in g.trajectories]
+                self.last_batch = batch_stats(trajectories, self.version)
+                return trajectories
+            if self._exhausted and not self._inflight:
+                raise RolloutError(f"prompt stream exhausted with only {len(self.buffer)} of "
+                                   f"{self.cfg.batch_size} groups buffered")
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise RolloutError(self._shortfall(timeout))
+            await self._changed.wait(remaining)
+
+    def _shortfall(self, timeout: float) -> str:
+        c = self.gate.counts()
+        down = self.pool.down_urls()
+        return (f"get_batch timed out after {timeout:.0f}s: {self.buffer.count_admissible(self.version)} of "
+                f"{self.cfg.batch_size} admissible groups buffered at version {self.version} (eta {self.eta}); "
+                f"{c.running} groups running, capacity {self.gate.capacity()}, "
+                f"paused={not self._running.is_set()}, dropped stale {self.buffer.dropped_stale}, "
+                f"filtered {self.buffer.filtered}, failed {self.counters['sample_failures']}; "
+                f"servers down {len(down)}/{len(self.pool.slots)}" + (f" ({', '.join(down)})" if down else ""))
+
+    async def pause(self) -> None:
+        self._running.clear()
+        slots = self.pool.healthy()
+        results = await asyncio.gather(*(s.client.pause() for s in slots), return_exceptions=True)
+        for slot, r in zip(slots, results):
+            if isinstance(r, Exception):
+                self.pool.mark_down(slot, f"pause failed: {r}")
+
+    async def resume(self, version: int) -> None:
+        self.set_version(version)
+        slots = self.pool.healthy()
+        results = await asyncio.gather(*(s.client.resume() for s in slots), return_exceptions=True)
+        for slot, r in zip(slots, results):
+            if isinstance(r, Exception):
+                self.pool.mark_down(slot, f"continue failed: {r}")
+        self._running.set()
+        self._changed.notify()
+
+    def set_version(self, version: int) -> None:
+        self.gate.on_version(version)
+        self.version = version
+        dropped = self.buffer.drop_stale(version)
+        if dropped:
+            self.gate.on_drop(len(dropped))
+        if self._changed is not None:
+            self._changed.notify()
+
+    def metrics(self) -> dict[str, float]:
+        c = self.gate.counts()
+        stats = dict(self.last_batch)
+        stats.update({
+            "rollout/dropped_stale": float(self.buffer.dropped_stale),
+            "rollout/filtered_groups": float(self.buffer.filtered),
+            "rollout/reward_failures": float(self.counters["reward_failures"]),
+            "rollout/sample_failures": float(self.counters["sample_failures"]),
+            "rollout/request_failures": float(sum(slot.failures for slot in self.pool.slots)),
+            "rollout/running_groups": float(c.running),
+            "rollout/buffered_groups": float(len(self.buffer)),
+            "rollout/capacity": float(self.gate.capacity()),
+            "rollout/version": float(self.version),
+            "rollout/healthy_servers": float(len(self.pool.healthy())),
+        })
+        stats.update(self._window.roll(self.pool.busy_seconds(), len(self.pool.slots)))
+        return stats
+
+    # ----- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """A consistent snapshot: groups in flight are recorded as prompts to re-queue."""
+        return {"version": self.version, "gate": self.gate.state_dict(), "buffer": self.buffer.state_dict(),
+                "prompts": self.prompts.state_dict(), "requeue": [p.index for p in self._inflight.values()],
+                "next_group_id": self._next_gid}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._inflight:
+            raise RolloutError("load_state_dict while groups are in flight; restore before start()")
+        self.prompts.load_state_dict(state["prompts"])
+        self.prompts.push_back(list(state["requeue"]))
+        self.gate.load_state_dict(state["gate"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.version = int(state["version"])
+        self._parse_version.base_version = self.version
+        self._next_gid = int(state["next_group_id"])

@@ -1,0 +1,101 @@
+"""One sample generated across interruptions, server failures and weight updates.
+
+A request runs as a chain of *segments*. Each segment posts ``prompt + tokens so far`` with the
+remaining token budget to the least-loaded healthy server. A segment that comes back with
+``finish_reason == "abort"`` (the fleet was paused for a weight update) keeps its tokens; the
+next segment is posted once generation resumes, so it runs under the new weights. A server that
+fails (connection lost, timeout, 5xx) is marked down and the segment is re-posted elsewhere from
+the last tokens that did come back. Each token's version is the one the server reported for the
+segment (per token where the server gives spans), never the controller's own idea of it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_areal.rollout.client import GenerateResult, ServerError
+from megatron_areal.rollout.routing import ServerPool
+
+log = logging.getLogger(__name__)
+
+# Aborts that return no new token while generation is not paused mean the server refuses the
+# request in a loop; past this many in a row the sample fails instead of spinning.
+MAX_FRUITLESS_ABORTS = 50
+
+
+class SampleError(RuntimeError):
+    """A sample cannot be generated (the server rejected the request itself)."""
+
+
+@dataclass
+class SampleOutput:
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    interruptions: int = 0  # segments ended by an abort
+
+    def extend(self, result: GenerateResult, versions: list[int]) -> None:
+        n = len(result.output_ids)
+        if len(result.output_logprobs) != n or len(versions) != n:
+            raise SampleError(f"server answer misaligned: {n} tokens, {len(result.output_logprobs)} "
+                              f"logprobs, {len(versions)} versions")
+        self.output_ids += result.output_ids
+        self.output_logprobs += result.output_logprobs
+        self.output_versions += versions
+
+
+class VersionParser:
+    """Server versions are strings. Integers are ours (set with each weight update); a server that
+    was never updated reports its launch label (SGLang's ``"default"``), which means the weights
+    it was started with: the controller's base version."""
+
+    def __init__(self, base_version: int) -> None:
+        self.base_version = base_version
+
+    def __call__(self, label: str) -> int:
+        try:
+            return int(label)
+        except ValueError:
+            return self.base_version
+
+
+async def generate_sample(pool: ServerPool, prompt_ids: list[int], sampling: dict[str, Any],
+                          max_new_tokens: int, rid: str, wait_running: Callable[[], Awaitable[None]],
+                          parse_version: Callable[[str], int],
+                          is_paused: Callable[[], bool] = lambda: False,
+                          on_tokens: Callable[[int], None] = lambda n: None) -> SampleOutput:
+    """Generate one sample to completion (``stop`` or ``length``) through any interruptions."""
+    out = SampleOutput()
+    segment = fruitless = 0
+    while True:
+        remaining = max_new_tokens - len(out.output_ids)
+        if remaining <= 0:
+            out.finish_reason = "length"
+            return out
+        await wait_running()
+        await pool.wait_healthy()
+        slot = pool.pick()
+        params = {**sampling, "max_new_tokens": remaining}
+        pool.begin(slot)
+        try:
+            result = await slot.client.generate(prompt_ids + out.output_ids, params, rid=f"{rid}.{segment}")
+        except ServerError as e:
+            if e.status is not None and 400 <= e.status < 500 and e.status not in (408, 429):
+                raise SampleError(f"request {rid} rejected by {slot.url}: {e}") from e
+            pool.mark_down(slot, str(e))
+            continue
+        finally:
+            pool.end(slot)
+            segment += 1
+        out.extend(result, [parse_version(v) for v in result.output_versions])
+        on_tokens(len(result.output_ids))
+        if result.finish_reason != "abort":
+            out.finish_reason = result.finish_reason
+            return out
+        out.interruptions += 1
+        fruitless = 0 if result.output_ids or is_paused() else fruitless + 1
+        if fruitless > MAX_FRUITLESS_ABORTS:
+            raise SampleError(f"request {rid}: {slot.url} aborted it {fruitless} times without progress")

@@ -1,0 +1,124 @@
+"""The fleet as the controller sees it: health, in-flight load and busy time per server.
+
+Load is the number of our own requests in flight on a server, counted here rather than polled
+from ``/v1/loads``: every request passes through this pool, so the count is exact and costs no
+round trip. A server that fails a request is marked down at once (one log line naming it) and
+gets no new work until a health probe succeeds again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from megatron_areal.rollout.client import RolloutClient
+from megatron_areal.rollout.wakeup import Signal
+
+log = logging.getLogger(__name__)
+
+
+class NoHealthyServer(RuntimeError):
+    """Every server of the fleet is down."""
+
+
+@dataclass
+class ServerSlot:
+    client: RolloutClient
+    healthy: bool = True
+    inflight: int = 0
+    requests: int = 0  # cumulative, routed here
+    failures: int = 0
+    busy_s: float = 0.0  # time with at least one request in flight, up to busy_since
+    busy_since: float | None = None
+    last_error: str = field(default="")
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+class ServerPool:
+    """Least-loaded routing over healthy servers; not thread-safe (lives on the controller loop)."""
+
+    def __init__(self, clients: list[RolloutClient], clock: Callable[[], float] = time.monotonic) -> None:
+        if not clients:
+            raise ValueError("ServerPool needs at least one server")
+        self.slots = [ServerSlot(client=c) for c in clients]
+        self._clock = clock
+        self._changed = Signal()
+
+    # ----- routing
+
+    def healthy(self) -> list[ServerSlot]:
+        return [s for s in self.slots if s.healthy]
+
+    def down_urls(self) -> list[str]:
+        return [s.url for s in self.slots if not s.healthy]
+
+    def pick(self) -> ServerSlot:
+        """The healthy server with the fewest of our requests in flight (lowest index on ties)."""
+        candidates = self.healthy()
+        if not candidates:
+            raise NoHealthyServer(f"all {len(self.slots)} rollout servers are down: "
+                                  + "; ".join(f"{s.url} ({s.last_error})" for s in self.slots))
+        return min(candidates, key=lambda s: s.inflight)
+
+    async def wait_healthy(self) -> None:
+        """Return once at least one server is up (the health probe revives them)."""
+        while not self.healthy():
+            await self._changed.wait()
+
+    def begin(self, slot: ServerSlot) -> None:
+        if slot.inflight == 0:
+            slot.busy_since = self._clock()
+        slot.inflight += 1
+        slot.requests += 1
+
+    def end(self, slot: ServerSlot) -> None:
+        if slot.inflight <= 0:
+            raise RuntimeError(f"{slot.url}: request finished that was never started")
+        slot.inflight -= 1
+        if slot.inflight == 0 and slot.busy_since is not None:
+            slot.busy_s += self._clock() - slot.busy_since
+            slot.busy_since = None
+
+    # ----- health
+
+    def mark_down(self, slot: ServerSlot, reason: str) -> None:
+        slot.failures += 1
+        slot.last_error = reason
+        if slot.healthy:
+            slot.healthy = False
+            log.error("rollout server %s marked unhealthy, its requests go to the other servers: %s",
+                      slot.url, reason)
+            self._notify()
+
+    def mark_up(self, slot: ServerSlot) -> None:
+        if not slot.healthy:
+            slot.healthy = True
+            log.warning("rollout server %s is healthy again", slot.url)
+            self._notify()
+
+    async def probe_down(self) -> list[ServerSlot]:
+        """Health-check the servers marked down; revive and return those that answer."""
+        down = [s for s in self.slots if not s.healthy]
+        results = await asyncio.gather(*(s.client.health() for s in down))
+        revived = [slot for slot, ok in zip(down, results) if ok]
+        for slot in revived:
+            self.mark_up(slot)
+        return revived
+
+    def _notify(self) -> None:
+        self._changed.notify()
+
+    # ----- accounting
+
+    def busy_seconds(self) -> float:
+        """Sum over servers of time spent with at least one of our requests in flight."""
+        now = self._clock()
+        return sum(s.busy_s + (now - s.busy_since if s.busy_since is not None else 0.0) for s in self.slots)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.client.close() for s in self.slots), return_exceptions=True)

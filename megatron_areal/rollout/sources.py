@@ -1,0 +1,37 @@
+"""What the rollout loop needs from the data and reward parts, as Protocols.
+
+The controller depends on these shapes only, so the dataset and the reward pool can change
+without touching it (and a controller test can feed any prompt stream).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class PromptLike(Protocol):
+    index: int  # position in the dataset stream; what a checkpoint re-queues
+    text: str
+    answer: Any
+    task: str
+
+
+class PromptSourceLike(Protocol):
+    """A resumable prompt stream. ``next()`` raises ``StopIteration`` when exhausted;
+    ``push_back`` makes the given prompt indices come out again first, in that order."""
+
+    def next(self) -> PromptLike: ...
+
+    def push_back(self, indices: list[int]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RewardLike(Protocol):
+    reward: float
+    status: str  # "ok" when the verifier ran; anything else is counted as a reward failure
+
+
+class ScorerLike(Protocol):
+    async def score(self, task: str, response_text: str, answer: Any) -> RewardLike: ...
