@@ -105,6 +105,32 @@ def case_reference(arch_name: str) -> dict[str, Any]:
     return out
 
 
+def case_bad_inputs() -> dict[str, str]:
+    """The error message of each bad input, or 'no error'."""
+    import dataclasses
+
+    from megatron_areal.actor.parallel import teardown_parallel
+    from megatron_areal.rollout.trajectory import Trajectory
+
+    def message(fn) -> str:
+        try:
+            fn()
+        except Exception as e:  # the test asserts on type name and text
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    out = {}
+    ARCHS["gpt2"] = dataclasses.replace(ARCHS["llama"], model_type="gpt2")
+    out["arch"] = message(lambda: _actor("gpt2", 1, 1, False))
+    actor = _actor("llama", 1, 1, False, budget=16)
+    long = Trajectory(prompt_ids=list(range(30)), output_ids=list(range(15)), output_logprobs=[-1.0] * 15)
+    out["too_long_logprobs"] = message(lambda: actor.compute_logprobs([list(range(45))]))
+    out["too_long_ppo"] = message(lambda: actor.ppo_update([long]))
+    out["over_budget"] = message(lambda: actor.compute_logprobs([list(range(30))]))
+    teardown_parallel()
+    return out
+
+
 def _worker(rank: int, world: int, port: int, commands: Any, results: Any) -> None:
     import torch.distributed as dist
 
@@ -170,6 +196,8 @@ def groups():
     ref = {"qwen3": one.collect()[0]}
     one.submit(case_reference, arch_name="llama")
     ref["llama"] = one.collect()[0]
+    one.submit(case_bad_inputs)
+    ref["errors"] = one.collect()[0]
     one.close()
     yield four, ref
     four.close()
@@ -184,7 +212,7 @@ def _close(a: list[list[float]], b: list[list[float]], atol: float) -> float:
 
 def test_packed_equals_unpacked_and_full_vocab(groups):
     _, ref = groups
-    for r in ref.values():
+    for r in (ref["qwen3"], ref["llama"]):
         _close(r["before"], r["unpacked"], 1e-5)
         _close(r["before"], r["full_vocab"], 1e-5)  # temperature path == log_softmax(logits / T)
         _close(r["entropy"], r["full_entropy"], 1e-4)
@@ -207,3 +235,12 @@ def test_layout_matches_single_process(groups, layout):
             assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-4, abs=1e-6), (rank, key)
     # the update changed the policy, so matching "after" is not trivially matching "before"
     assert max(abs(a - b) for x, y in zip(want["after"], want["before"]) for a, b in zip(x, y)) > 1e-3
+
+
+def test_bad_inputs_fail_clearly(groups):
+    errors = groups[1]["errors"]
+    assert errors["arch"].startswith("UnsupportedModelError: model_type 'gpt2' is not supported")
+    assert "sequence 0 has 45 tokens, more than model.max_seq_len=40" in errors["too_long_logprobs"]
+    assert "trajectory 0: 45 tokens, more than model.max_seq_len=40" in errors["too_long_ppo"]
+    assert "sequence 0 has 30 tokens, more than the micro-batch token budget parallel.max_tokens_per_mb=16" \
+        in errors["over_budget"]

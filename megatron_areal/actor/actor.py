@@ -192,7 +192,7 @@ class Actor:
                 loss = loss + cfg.kl_coef * kl.sum() / n_loss_tokens
                 kl_sum = float(kl.sum())
             n = st["tokens"]
-            report = {"loss": float(loss), "tokens": n, "clipped": st["clip_fraction"] * n,
+            report = {"loss": float(loss.detach()), "tokens": n, "clipped": st["clip_fraction"] * n,
                       "iw_sum": st["importance_weight_mean"] * n, "iw_max": st["importance_weight_max"],
                       "dropped_tokens": st["dropped_tokens"], "entropy_sum": float(ent[mask].sum()),
                       "kl_sum": kl_sum}
@@ -209,7 +209,8 @@ class Actor:
         reducer = StatsReducer()
         for rep in reports:
             reducer.add(rep)
-        out = reducer.reduce(groups.is_last_stage and groups.tp_rank == 0, (groups.mp_group, groups.dp_group))
+        out = reducer.reduce(groups.is_last_stage and groups.tp_rank == 0, (groups.mp_group, groups.dp_group),
+                             groups.device)
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         out["n_microbatches"] = float(len(batches))
         return out

@@ -86,10 +86,12 @@ class StatsReducer:
             self.sums[k] += float(report.get(k, 0.0))
         self.iw_max = max(self.iw_max, float(report.get("iw_max", 0.0)))
 
-    def reduce(self, contributes: bool, groups: Sequence[dist.ProcessGroup]) -> dict[str, float]:
+    def reduce(self, contributes: bool, groups: Sequence[dist.ProcessGroup],
+               device: torch.device) -> dict[str, float]:
         """Sum over ``groups`` in turn; only ranks with ``contributes`` add their numbers once."""
-        sums = torch.tensor([self.sums[k] if contributes else 0.0 for k in self.SUMS], dtype=torch.float64)
-        peak = torch.tensor([self.iw_max if contributes else 0.0], dtype=torch.float64)
+        sums = torch.tensor([self.sums[k] if contributes else 0.0 for k in self.SUMS], dtype=torch.float64,
+                            device=device)
+        peak = torch.tensor([self.iw_max if contributes else 0.0], dtype=torch.float64, device=device)
         for g in groups:
             if dist.get_world_size(g) > 1:
                 dist.all_reduce(sums, group=g)
