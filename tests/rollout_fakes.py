@@ -162,6 +162,9 @@ class ListPrompt:
     answer: Any
     task: str = "parity"
 
+    def reward_answer(self) -> Any:
+        return self.answer
+
 
 class ListPrompts:
     """A finite resumable prompt stream over ``range(n)`` with push-back (the PromptSourceLike shape)."""
@@ -169,7 +172,7 @@ class ListPrompts:
     def __init__(self, n: int) -> None:
         self.n, self.pos, self.pushed = n, 0, []
 
-    def next(self) -> ListPrompt:
+    def __next__(self) -> ListPrompt:
         if self.pushed:
             i = self.pushed.pop(0)
         elif self.pos < self.n:

@@ -21,8 +21,8 @@ from megatron_areal.rollout.trajectory import Trajectory
 def make_controller(fleet: FakeFleet, prompts: ListPrompts, *, eta: int, **kw) -> RolloutController:
     cfg = RolloutConfig(**{"batch_size": 4, "group_size": 3, "max_new_tokens": 48, "max_concurrent": 12,
                            "filter_equal_rewards": False, "health_interval_s": 0.2, **kw})
-    return RolloutController(cfg, StalenessConfig(eta=eta, overlap=eta > 0), fleet.urls, prompts, encode, decode,
-                             ParityScorer())
+    return RolloutController(cfg, StalenessConfig(eta=eta, overlap=eta > 0), fleet.urls, prompts,
+                             encode, decode, ParityScorer())
 
 
 def weight_update(ctl: RolloutController, fleet: FakeFleet, version: int) -> None:
@@ -79,8 +79,8 @@ def test_staleness_bound_capacity_rule_and_versions(fleet3):
     assert interrupted, "no sample crossed a weight update; the test lost its point"
     assert all(t.interruptions >= 1 for t in interrupted)
     assert metrics["rollout/interrupted_fraction"] >= 0 and metrics["rollout/staleness_max"] <= eta
-    assert {"rollout/reward_mean", "rollout/dropped_stale", "rollout/filtered_groups", "perf/gen_tokens_per_s",
-            "perf/generator_idle_fraction"} <= set(metrics)
+    assert {"rollout/reward_mean", "rollout/dropped_stale", "rollout/filtered_groups",
+            "perf/gen_tokens_per_s", "perf/generator_idle_fraction"} <= set(metrics)
     assert metrics["perf/gen_tokens_per_s"] > 0
 
 
@@ -103,7 +103,8 @@ def test_routing_prefers_least_loaded_server():
     fleet = FakeFleet([slow, fast])
     try:
         # One sample per group, so a group never waits on the slow server for its siblings.
-        ctl = make_controller(fleet, ListPrompts(10_000), eta=8, group_size=1, max_new_tokens=8, max_concurrent=4)
+        ctl = make_controller(fleet, ListPrompts(10_000), eta=8, group_size=1, max_new_tokens=8,
+                              max_concurrent=4)
         with ctl:
             for _ in range(8):
                 ctl.get_batch(timeout=60)
@@ -124,7 +125,7 @@ def test_dead_server_is_marked_unhealthy_and_its_requests_rerouted(caplog):
             while victim.active == 0:
                 time.sleep(0.001)
             fleet.run(victim.kill())
-            for step in range(3):
+            for _ in range(3):
                 for t in ctl.get_batch(timeout=60):
                     check_tokens(t)
             metrics = ctl.metrics()

@@ -105,7 +105,7 @@ class RolloutLoop:
                 await self._changed.wait()
                 continue
             try:
-                prompt = self.prompts.next()
+                prompt = next(self.prompts)
             except StopIteration:
                 self._exhausted = True
                 log.info("prompt stream exhausted; %d groups still running", self.gate.counts().running)
@@ -136,8 +136,8 @@ class RolloutLoop:
                 self._running.wait, self._parse_version, is_paused=lambda: not self._running.is_set(),
                 on_tokens=self._window.add_tokens)) for i in range(self.cfg.group_size)]
         trajectories = [self._trajectory(gid, prompt, prompt_ids, job.result(), version) for job in jobs]
-        rewards = await asyncio.gather(*(self.scorer.score(prompt.task, self.decode(t.output_ids), prompt.answer)
-                                         for t in trajectories))
+        rewards = await asyncio.gather(*(
+            self.scorer.score(prompt.task, self.decode(t.output_ids), t.answer) for t in trajectories))
         for traj, result in zip(trajectories, rewards):
             traj.reward = float(result.reward)
             if result.status != "ok":
@@ -151,9 +151,10 @@ class RolloutLoop:
             # A server still on older weights than the gate assumed: its tokens make the sample
             # older, and the buffer must judge it by the oldest policy that contributed.
             log.warning("group %d: tokens from version %d although started at %d", gid, oldest, version)
-        return Trajectory(prompt_ids=list(prompt_ids), output_ids=s.output_ids, output_logprobs=s.output_logprobs,
-                          output_versions=s.output_versions, start_version=min(version, oldest), group_id=gid,
-                          prompt_index=prompt.index, answer=prompt.answer, task=prompt.task,
+        return Trajectory(prompt_ids=list(prompt_ids), output_ids=s.output_ids,
+                          output_logprobs=s.output_logprobs, output_versions=s.output_versions,
+                          start_version=min(version, oldest), group_id=gid,
+                          prompt_index=prompt.index, answer=prompt.reward_answer(), task=prompt.task,
                           finish_reason=s.finish_reason, interruptions=s.interruptions)
 
     def _finish(self, gid: int, group: Group | None) -> None:
@@ -205,12 +206,14 @@ class RolloutLoop:
     def _shortfall(self, timeout: float) -> str:
         c = self.gate.counts()
         down = self.pool.down_urls()
-        return (f"get_batch timed out after {timeout:.0f}s: {self.buffer.count_admissible(self.version)} of "
-                f"{self.cfg.batch_size} admissible groups buffered at version {self.version} (eta {self.eta}); "
+        ready = self.buffer.count_admissible(self.version)
+        return (f"get_batch timed out after {timeout:.0f}s: {ready} of {self.cfg.batch_size} admissible "
+                f"groups buffered at version {self.version} (eta {self.eta}); "
                 f"{c.running} groups running, capacity {self.gate.capacity()}, "
                 f"paused={not self._running.is_set()}, dropped stale {self.buffer.dropped_stale}, "
                 f"filtered {self.buffer.filtered}, failed {self.counters['sample_failures']}; "
-                f"servers down {len(down)}/{len(self.pool.slots)}" + (f" ({', '.join(down)})" if down else ""))
+                f"servers down {len(down)}/{len(self.pool.slots)}"
+                + (f" ({', '.join(down)})" if down else ""))
 
     async def pause(self) -> None:
         self._running.clear()

@@ -9,17 +9,17 @@ from typing import Any, Protocol
 
 
 class PromptLike(Protocol):
-    index: int  # position in the dataset stream; what a checkpoint re-queues
-    text: str
-    answer: Any
-    task: str
+    index: int  # position in the dataset; what a checkpoint re-queues
+    task: str  # which verifier scores the replies
+
+    def reward_answer(self) -> Any: ...  # what the verifier compares a reply against
 
 
 class PromptSourceLike(Protocol):
-    """A resumable prompt stream. ``next()`` raises ``StopIteration`` when exhausted;
-    ``push_back`` makes the given prompt indices come out again first, in that order."""
+    """A resumable prompt iterator (``StopIteration`` when exhausted, if ever); ``push_back``
+    makes the given prompt indices come out again first, in that order."""
 
-    def next(self) -> PromptLike: ...
+    def __next__(self) -> PromptLike: ...
 
     def push_back(self, indices: list[int]) -> None: ...
 
