@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megatron_areal.config import Config
 from megatron_areal.launch.plan import Plan, ServerSlot
+from megatron_areal.server.sglang_launcher import SGLangLaunch
 
 
 def run_paths(run_dir: str | Path) -> dict[str, Path]:
@@ -20,14 +21,28 @@ def run_paths(run_dir: str | Path) -> dict[str, Path]:
     return {"root": root, "servers": root / "servers", "logs": root / "logs", "plan": root / "plan.json"}
 
 
+def sglang_spec(slot: ServerSlot, cfg: Config, model_dir: str) -> SGLangLaunch:
+    return SGLangLaunch(model_path=model_dir, port=slot.port, host=slot.addr, tp=cfg.server.tp,
+                        mem_fraction=cfg.server.mem_fraction, api_key=cfg.server.api_key, seed=cfg.train.seed,
+                        context_length=cfg.model.max_seq_len, max_running=cfg.server.max_running)
+
+
 def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path) -> list[str]:
-    common = ["--model", model_dir, "--host", slot.addr, "--port", str(slot.port), "--register-dir", str(reg_dir)]
-    if cfg.server.api_key:
-        common += ["--api-key", cfg.server.api_key]
+    """SGLang does not register itself: the node role registers it once healthy. The embedded server
+    registers under the slot's id, so the wait matches it by name."""
     if cfg.server.engine == "sglang":
-        return [sys.executable, "-m", "megatron_areal.server.sglang_launcher", *common,
-                "--tp", str(cfg.server.tp), "--mem-fraction", str(cfg.server.mem_fraction)]
-    return [sys.executable, "-m", "megatron_areal.cli", "serve", *common]
+        return sglang_spec(slot, cfg, model_dir).command()
+    cmd = [sys.executable, "-m", "megatron_areal.cli", "serve", "--model", model_dir, "--host", slot.addr,
+           "--port", str(slot.port), "--register-dir", str(reg_dir), "--server-id", slot.id,
+           "--max-running", str(cfg.server.max_running), "--max-queue", str(cfg.server.max_queue),
+           "--context-length", str(cfg.model.max_seq_len), "--seed", str(cfg.train.seed)]
+    if slot.gpus:
+        cmd += ["--device", "cuda"]
+    if cfg.model.dtype != "auto":
+        cmd += ["--dtype", cfg.model.dtype]
+    if cfg.server.api_key:
+        cmd += ["--api-key", cfg.server.api_key]
+    return cmd
 
 
 def trainer_command(plan: Plan, node_rank: int, config_path: str, overrides: list[str], plan_path: Path) -> list[str]:

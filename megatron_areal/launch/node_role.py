@@ -15,11 +15,15 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 from megatron_areal.config import Config, load_config
 from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
-from megatron_areal.launch.plan import Plan
-from megatron_areal.launch.procs import ProcessSet, Stopped, supervised
+from megatron_areal.launch.plan import Plan, ServerSlot
+from megatron_areal.launch.procs import Child, ProcessSet, Stopped, supervised
+from megatron_areal.server.cli import write_registration
+from megatron_areal.server.sglang_launcher import LaunchError as SGLangLaunchError
+from megatron_areal.server.sglang_launcher import wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +42,26 @@ def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, pr
     slots = plan.servers_on(node)
     if not slots:
         raise RuntimeError(f"the plan puts no rollout server on node {node}")
-    for slot in slots:
-        procs.start(f"server-{slot.id}", server_command(slot, cfg, cfg.model.path, reg), role_env(slot.gpus, False))
+    started = [(slot, procs.start(f"server-{slot.id}", server_command(slot, cfg, cfg.model.path, reg),
+                                  role_env(slot.gpus, False))) for slot in slots]
+    if cfg.server.engine == "sglang":
+        try:
+            _register_when_healthy(started, cfg, reg)
+        except SGLangLaunchError as e:
+            logger.error("%s", e)
+            return 1
     dead = procs.wait_any()
     logger.error("server %s exited with code %s; last lines of %s:\n%s", dead.name, dead.returncode(),
                  dead.log_path, dead.log_tail())
     return dead.returncode() or 1
+
+
+def _register_when_healthy(started: list[tuple[ServerSlot, Child]], cfg: Config, reg: Path) -> None:
+    """SGLang has no registration of its own: write ``reg/<slot id>`` once its /health answers."""
+    for slot, child in started:
+        wait_healthy(slot.url, timeout_s=cfg.server.startup_timeout_s, proc=child.popen, log_path=child.log_path)
+        write_registration(str(reg), slot.id, {"url": slot.url, "pid": child.pid, "model": cfg.model.path})
+        logger.info("registered %s at %s", slot.id, slot.url)
 
 
 def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, procs: ProcessSet) -> int:

@@ -51,18 +51,34 @@ class ProcessSet:
         self.log_dir = Path(log_dir)
         self.grace_s = grace_s
         self.children: list[Child] = []
+        # A stop signal that lands while a child is being created is held until the child is on
+        # the list: raising inside Popen would leave a running process nobody knows about.
+        self._starting = False
+        self._held_signal: int | None = None
+
+    def on_stop_signal(self, signum: int) -> None:
+        if self._starting:
+            self._held_signal = signum
+        else:
+            raise Stopped(signum)
 
     def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        with open(log_path, "ab") as log:  # append: a requeued job keeps the earlier attempt's log
-            log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(cmd)}\n".encode())
-            log.flush()
-            popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        child = Child(name, popen, log_path)
-        self.children.append(child)
+        self._starting = True
+        try:
+            with open(log_path, "ab") as log:  # append: a requeued job keeps the earlier attempt's log
+                log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(cmd)}\n".encode())
+                log.flush()
+                popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+            child = Child(name, popen, log_path)
+            self.children.append(child)
+        finally:
+            self._starting = False
         logger.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+        if self._held_signal is not None:
+            raise Stopped(self._held_signal)
         return child
 
     def exited(self) -> list[Child]:
@@ -76,37 +92,66 @@ class ProcessSet:
                     return c
             time.sleep(poll_s)
 
-    def _tree(self) -> list[psutil.Process]:
+    def _descendants(self) -> list[psutil.Process]:
+        """Every process below the children (not the children: Popen reaps those, keeping their codes)."""
         procs: dict[int, psutil.Process] = {}
         for c in self.children:
             try:
-                root = psutil.Process(c.pid)
-                for p in [root, *root.children(recursive=True)]:
+                for p in psutil.Process(c.pid).children(recursive=True):
                     procs[p.pid] = p
             except psutil.NoSuchProcess:
                 continue
         return list(procs.values())
 
+    def _wait(self, others: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+        """Wait until children and ``others`` are gone or the time is up; return the living others."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alive = [p for p in others if _alive(p)]
+            if not alive and all(c.returncode() is not None for c in self.children):
+                return []
+            if time.monotonic() > deadline:
+                return alive
+            time.sleep(0.05)
+
     def stop_all(self) -> None:
         """SIGTERM every child's group and descendants, SIGKILL after the grace period, reap all."""
-        tree = self._tree()
+        others = self._descendants()
         for c in self.children:
             if c.returncode() is None:
                 _signal_group(c.pid, signal.SIGTERM)
-        for p in tree:
+        for p in others:
             _signal_proc(p, signal.SIGTERM)
-        _, alive = psutil.wait_procs(tree, timeout=self.grace_s)
+        alive = self._wait(others, self.grace_s)
         for c in self.children:
+            if c.returncode() is None:
+                logger.warning("%s (pid %d) did not stop within %.0f s of SIGTERM; killing it", c.name, c.pid,
+                               self.grace_s)
             _signal_group(c.pid, signal.SIGKILL)  # also catches grandchildren started during the grace
         for p in alive:
-            logger.warning("pid %d did not stop within %.0f s of SIGTERM; killing it", p.pid, self.grace_s)
+            logger.warning("pid %d (%s) did not stop within %.0f s of SIGTERM; killing it", p.pid,
+                           _name(p), self.grace_s)
             _signal_proc(p, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=5)
+        self._wait(alive, 5)
         for c in self.children:
             try:
                 c.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 logger.error("%s (pid %d) survived SIGKILL", c.name, c.pid)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.NoSuchProcess:
+        return "gone"
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -131,16 +176,16 @@ class Stopped(Exception):
         self.code = 128 + signum
 
 
-def _raise_stopped(signum: int, _frame: FrameType | None) -> None:
-    raise Stopped(signum)
-
-
 @contextmanager
 def supervised(procs: ProcessSet) -> Iterator[ProcessSet]:
     """Turn SIGTERM/SIGINT into ``Stopped`` and stop every child on the way out, whatever happened.
     Signals are ignored while stopping, so a second Ctrl-C cannot interrupt the cleanup."""
     stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, _raise_stopped) for s in stops}
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        procs.on_stop_signal(signum)
+
+    previous = {s: signal.signal(s, handler) for s in stops}
     try:
         yield procs
     finally:

@@ -1,0 +1,173 @@
+"""The local launcher: real servers and trainer processes, stopped together on Ctrl-C or failure."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_areal.config import load_config
+from megatron_areal.launch.local import local_plan, port_free
+from megatron_areal.launch.plan import ServerSlot
+from megatron_areal.launch.procs import ProcessSet
+from megatron_areal.launch.registry import LaunchError, wait_for_servers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def procs_mentioning(text: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(text in part for part in (p.info["cmdline"] or [])):
+            found.append(p)
+    return found
+
+
+def wait_until(cond, timeout_s: float, what: str, poll_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def start_launcher(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    base, master = free_ports(2)
+    cmd = [sys.executable, "-m", "megatron_areal.cli", "train", str(ROOT / "configs/train_tiny.yaml"),
+           f"train.run_dir={run_dir}", f"server.base_port={base}", f"cluster.master_port={master}",
+           "cluster.stop_grace_s=5", "train.steps=50", *overrides]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def servers_registered(run_dir: Path, count: int) -> bool:
+    reg = run_dir / "servers"
+    return reg.is_dir() and len([f for f in reg.iterdir() if not f.name.startswith(".")]) == count
+
+
+def assert_all_stopped(run_dir: Path) -> None:
+    """No process of the run is left, and every port of its plan can be bound again."""
+    left = procs_mentioning(str(run_dir))
+    assert not left, [p.info["cmdline"] for p in left]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    ports = [s["port"] for s in plan["servers"]] + [plan["trainer"]["master_port"]]
+    assert all(port_free("127.0.0.1", p) for p in ports), ports
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model(tiny_llama: Path) -> None:
+    """Prepare the tiny model once so the launcher does not spend the test's time converting it."""
+
+
+def test_sigint_stops_servers_and_torchrun_trainer(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start_launcher(run_dir, "cluster.cpu_dp=2")  # torchrun with two workers in their own sessions
+    try:
+        wait_until(lambda: servers_registered(run_dir, 2), 120, "two servers to register")
+        trainer = wait_until(lambda: [p for p in procs_mentioning(str(run_dir / "plan.json"))], 30, "the trainer")
+        assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in trainer)
+        launcher.send_signal(signal.SIGINT)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, out
+    assert "SIGINT received" in out
+    assert_all_stopped(run_dir)
+    assert not any((run_dir / "servers").iterdir())  # servers unregistered themselves
+    logs = {f.name for f in (run_dir / "logs").iterdir()}
+    assert {"server-0.log", "server-1.log", "trainer.log"} <= logs
+
+
+def test_dead_server_stops_the_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = start_launcher(run_dir)
+    try:
+        wait_until(lambda: servers_registered(run_dir, 2), 120, "two servers to register")
+        server = json.loads(next((run_dir / "servers").iterdir()).read_text())
+        os.kill(server["pid"], signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0, out
+    assert_all_stopped(run_dir)
+
+
+def test_stop_all_reaches_torchrun_workers_and_sigterm_ignorers(tmp_path: Path) -> None:
+    procs = ProcessSet(tmp_path / "logs", grace_s=1.0)
+    procs.start("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--no-python",
+                             "sleep", "300"])
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+               "time.sleep(300)"
+    procs.start("stubborn", [sys.executable, "-c", stubborn])
+    root = procs.children[0].pid
+    sleepers = wait_until(lambda: s if len(s := _sleepers(root)) == 2 else None, 60, "two torchrun workers")
+    assert all(os.getsid(p.pid) != os.getsid(root) for p in sleepers)  # why killing torchrun's group is not enough
+    wait_until(lambda: "up" in (tmp_path / "logs" / "stubborn.log").read_text(), 30, "the stubborn child")
+    tree = [psutil.Process(c.pid) for c in procs.children] + sleepers
+    start = time.monotonic()
+    procs.stop_all()
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert time.monotonic() - start < 10
+    assert procs.children[1].returncode() == -signal.SIGKILL  # ignored SIGTERM, killed after the grace
+
+
+def _sleepers(root: int) -> list[psutil.Process]:
+    try:
+        return [c for c in psutil.Process(root).children(recursive=True) if c.cmdline() == ["sleep", "300"]]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_registration_wait_names_what_is_missing(tmp_path: Path) -> None:
+    reg = tmp_path / "servers"
+    reg.mkdir()
+    slots = [ServerSlot("n2-0", "n2", "10.0.0.2", 30000, ()), ServerSlot("n2-1", "n2", "10.0.0.2", 30010, ())]
+    (reg / "n2-0").write_text(json.dumps({"url": "http://10.0.0.2:30000"}))
+    with pytest.raises(LaunchError) as e:
+        wait_for_servers(reg, slots, timeout_s=0.3, poll_s=0.05)
+    msg = str(e.value)
+    assert str(reg) in msg and "n2-1 (http://10.0.0.2:30010)" in msg and "missing" in msg
+    assert "n2-0 (" not in msg.split("registered:")[0]
+    # a server known dead ends the wait at once, with its story
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="server n2-1 exited with code 1"):
+        wait_for_servers(reg, slots, timeout_s=60, failure=lambda: "server n2-1 exited with code 1")
+    assert time.monotonic() - start < 5
+    # registered under another file name: matched by address
+    (reg / "host-30010").write_text(json.dumps({"url": "http://10.0.0.2:30010/"}))
+    assert wait_for_servers(reg, slots, timeout_s=1) == ["http://10.0.0.2:30000", "http://10.0.0.2:30010"]
+
+
+def test_busy_ports_move_to_free_ones() -> None:
+    base, master = free_ports(2)
+    with socket.socket() as busy, socket.socket() as busy_master:
+        busy.bind(("127.0.0.1", base))
+        busy.listen()
+        busy_master.bind(("127.0.0.1", master))
+        busy_master.listen()
+        overrides = [f"server.base_port={base}", f"cluster.master_port={master}"]
+        cfg = load_config(ROOT / "configs/train_tiny.yaml", overrides)
+        plan = local_plan(cfg)
+    ports = [s.port for s in plan.servers]
+    assert base not in ports and ports[1] == base + cfg.cluster.server_port_stride
+    assert plan.trainer.master_port != master
+    assert len(set(ports + [plan.trainer.master_port])) == 3
