@@ -1,0 +1,89 @@
+"""This pipeline stage's weights in the inference layout (HF names and shapes), in buckets.
+
+The per-architecture mapping and the tensor-parallel gather are the conversion's
+(``convert.weights.export_hf_weights``): it gathers one Megatron parameter at a time across the TP
+group and splits it into HF tensors. Every TP rank must run the generator to the end, because the
+gathers are collective; only the stage head keeps what comes out, so it alone holds a bucket and
+the other ranks hold at most one gathered parameter at a time.
+
+Flat buckets (SGLang's ``load_format="flattened_bucket"``) pack the tensors' bytes back to back
+into one reused buffer of the bucket size and travel as a single broadcast; otherwise each tensor
+is its own broadcast, in ``names`` order.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_areal.convert.arch import ModelArch
+from megatron_areal.convert.weights import export_hf_weights
+
+
+@dataclass
+class Bucket:
+    """HF-named tensors announced together in one ``/update_weights_from_distributed`` call."""
+
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    payload: list[torch.Tensor] = field(default_factory=list)  # what is broadcast, in order
+    nbytes: int = 0
+    flat: bool = False
+
+    def describe(self, name: str, tensor: torch.Tensor) -> None:
+        self.names.append(name)
+        self.dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        self.shapes.append(list(tensor.shape))
+        self.nbytes += tensor.numel() * tensor.element_size()
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def meta(self) -> dict[str, list]:
+        return {"names": list(self.names), "dtypes": list(self.dtypes), "shapes": list(self.shapes)}
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_group: dist.ProcessGroup | None,
+               tp_size: int, *, keep: bool, bucket_bytes: int, flat: bool = True, dtype: torch.dtype | None = None,
+               device: torch.device | None = None) -> Iterator[Bucket]:
+    """Buckets of at most ``bucket_bytes`` (a single larger tensor travels alone).
+
+    Each bucket is valid until the next one is requested (flat buckets share one buffer).
+    ``keep=False`` (TP peers of the head) runs the gathers and yields nothing.
+    """
+    bucket = Bucket(flat=flat)
+    buffer: torch.Tensor | None = None
+    for name, tensor in export_hf_weights(chunks, arch, tp_group, tp_size, dtype=dtype):
+        if not keep:
+            continue
+        tensor = tensor if device is None else tensor.to(device)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and bucket.nbytes + nbytes > bucket_bytes:
+            yield _seal(bucket, buffer)
+            bucket = Bucket(flat=flat)
+        if not flat:
+            # q/k/v and gate/up are views of the gathered parameter; a contiguous copy lets it go
+            bucket.payload.append(tensor.contiguous())
+        elif nbytes > bucket_bytes:
+            bucket.payload.append(_as_bytes(tensor))  # alone in its bucket: no copy into the buffer
+        else:
+            if buffer is None:
+                buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=tensor.device)
+            buffer[bucket.nbytes:bucket.nbytes + nbytes].copy_(_as_bytes(tensor))
+        bucket.describe(name, tensor)
+    if bucket:
+        yield _seal(bucket, buffer)
+
+
+def _seal(bucket: Bucket, buffer: torch.Tensor | None) -> Bucket:
+    if bucket.flat and not bucket.payload:
+        assert buffer is not None
+        bucket.payload = [buffer[:bucket.nbytes]]
+    return bucket

@@ -1,0 +1,31 @@
+"""Settings of the weight transfer from the trainer to the rollout servers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_areal.configbase import require
+
+
+@dataclass(kw_only=True)
+class ReallocConfig:
+    method: Literal["distributed", "disk"] = "distributed"
+    bucket_mb: float = 512.0  # HF-layout bytes per /update_weights_from_distributed call
+    timeout_s: float = 120.0  # per collective op and per HTTP reply; a silent server is dropped after it
+    master_address: str | None = None  # address servers reach the stage heads at; None: this host's
+    disk_dir: str | None = None  # shared folder for method=disk (and for late joiners); None: <run_dir>/weights
+    # one broadcast per bucket (SGLang >= 0.5.23 and the embedded server); false: one per tensor
+    flattened_bucket: bool = True
+    max_retries: int = 1  # transfers repeated after dropping dead servers within one sync
+    # /pause_generation mode: "abort" returns partial outputs (the controller resumes them),
+    # "retract" re-queues them inside the server under the new weights
+    pause_mode: Literal["abort", "retract"] = "abort"
+
+    def validate(self) -> None:
+        require(self.bucket_mb > 0, "bucket_mb", "must be > 0")
+        require(self.timeout_s > 0, "timeout_s", "must be > 0")
+        require(self.max_retries >= 0, "max_retries", "must be >= 0")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * (1 << 20)))

@@ -1,0 +1,107 @@
+"""One pipeline stage's weight-update group: the stage head (rank 0) and every rank of every server.
+
+Server ``i`` joins with ``rank_offset = 1 + sum of the TP sizes of servers before it``. The group is
+formed while the ``/init_weights_update_group`` calls are in flight (the servers' ranks and the
+head rendezvous at the head's store), and each bucket is broadcast while its
+``/update_weights_from_distributed`` request is pending, as the protocol requires.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+from megatron_areal.realloc.buckets import Bucket
+from megatron_areal.realloc.fleet import ServerPool, wait_all
+from megatron_areal.realloc.group import WeightUpdateGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Member:
+    url: str
+    tp: int  # ranks the server contributes to the group
+    rank_offset: int
+
+
+def free_port(address: str) -> int:
+    """A port the head can host the group's store on (a fresh one per group: no stale keys)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address if address not in ("localhost",) else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class StageLink:
+    """The head side of one stage's group with a fixed set of servers."""
+
+    def __init__(self, pool: ServerPool, servers: dict[str, int], *, stage: int, generation: int,
+                 master_address: str, backend: str, timeout_s: float) -> None:
+        self.pool, self.stage, self.timeout_s = pool, stage, timeout_s
+        offset, members = 1, []
+        for url, tp in servers.items():
+            members.append(Member(url, tp, offset))
+            offset += tp
+        self.members, self.world_size = members, offset
+        self.group_name = f"realloc-stage{stage}-gen{generation}"
+        self.master_address, self.backend = master_address, backend
+        self.group: WeightUpdateGroup | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.url for m in self.members]
+
+    def form(self) -> dict[str, str]:
+        """Rendezvous with every server; returns {url: error} of servers that failed to join."""
+        port = free_port(self.master_address)
+        futures = {m.url: self.pool.submit(m.url, lambda c, m=m: c.init_weights_update_group(
+            master_address=self.master_address, master_port=port, rank_offset=m.rank_offset,
+            world_size=self.world_size, group_name=self.group_name, backend=self.backend))
+            for m in self.members}
+        try:
+            self.group = WeightUpdateGroup(master_address=self.master_address, master_port=port, rank=0,
+                                           world_size=self.world_size, group_name=self.group_name,
+                                           backend=self.backend, timeout_s=self.timeout_s)
+        except RuntimeError as e:  # some rank never arrived; the HTTP replies say which
+            errors = wait_all(futures, self.timeout_s)
+            return errors or {url: f"{url}: joining {self.group_name}: {e}" for url in self.urls}
+        errors = wait_all(futures, self.timeout_s)
+        log.info("stage %d: weight update group %s formed with %d servers (world %d)", self.stage,
+                 self.group_name, len(self.members), self.world_size)
+        return errors
+
+    def send(self, bucket: Bucket, version: str | None) -> dict[str, str]:
+        """Announce the bucket to every server, broadcast it, await the replies; {url: error}."""
+        assert self.group is not None, "send() before form()"
+        meta = bucket.meta()
+        futures = {url: self.pool.submit(url, lambda c: c.update_weights_from_distributed(
+            **meta, weight_version=version, group_name=self.group_name, flattened_bucket=bucket.flat,
+            timeout_s=self.timeout_s * (len(bucket.payload) + 1))) for url in self.urls}
+        try:
+            for tensor in bucket.payload:
+                self.group.broadcast(tensor, src=0)
+        except RuntimeError as e:
+            # A peer died or hung. Closing our end wakes the servers still waiting on us, so their
+            # replies (and the dead one's connection error or silence) arrive within the timeout.
+            log.error("stage %d: broadcast in %s failed: %s", self.stage, self.group_name, e)
+            self.close_group()
+            errors = wait_all(futures, self.timeout_s)
+            return errors or {url: f"{url}: broadcast in {self.group_name} failed: {e}" for url in self.urls}
+        return wait_all(futures, self.timeout_s)
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    def destroy(self, live: list[str]) -> None:
+        """Tear down our end and ask the servers still alive to drop theirs (best effort)."""
+        self.close_group()
+        urls = [u for u in self.urls if u in live]
+        start = time.monotonic()
+        errors = self.pool.each(urls, lambda c: c.destroy_weights_update_group(self.group_name),
+                                timeout_s=min(self.timeout_s, 30.0))
+        for message in errors.values():
+            log.warning("stage %d: destroying %s: %s", self.stage, self.group_name, message)
+        log.debug("stage %d: %s destroyed in %.2fs", self.stage, self.group_name, time.monotonic() - start)

@@ -1,0 +1,269 @@
+"""``WeightSync``: push the trainer's current weights to every rollout server after a step.
+
+Every trainer rank creates one and calls ``sync(version)`` together (it is collective over the
+control group, by default the world). The sequence: rank 0 pauses generation on all servers;
+each pipeline stage's head (TP rank 0 of data-parallel replica 0) streams its stage's weights in
+HF layout, bucket by bucket, over its own weight-update group while its TP peers help with the
+gathers and the other replicas wait; the outcome is agreed on by all ranks; rank 0 continues
+generation. A server that dies or stops answering is named, dropped, and the transfer is repeated
+for the remaining servers, so the run goes on. With ``method="disk"`` the weights travel through
+an HF folder on a shared filesystem and ``/update_weights_from_disk`` instead.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_areal.actor.parallel import ParallelGroups
+from megatron_areal.convert.arch import ModelArch
+from megatron_areal.realloc.buckets import Bucket, hf_buckets
+from megatron_areal.realloc.config import ReallocConfig
+from megatron_areal.realloc.disk import prune_versions, write_hf_folder
+from megatron_areal.realloc.fleet import ServerPool
+from megatron_areal.realloc.link import StageLink
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """A transfer that could not complete; the message names the servers and what they said."""
+
+
+@dataclass
+class SyncResult:
+    version: str
+    seconds: float
+    bytes_sent: int  # HF-layout bytes over all stages (per server)
+    buckets: int
+    max_bucket_bytes: int
+    servers: list[str]  # servers holding ``version`` now
+    dropped: dict[str, str] = field(default_factory=dict)  # url -> the error that removed it
+
+
+@dataclass
+class _Outcome:
+    errors: dict[str, str] = field(default_factory=dict)
+    bytes_sent: int = 0
+    buckets: int = 0
+    max_bucket_bytes: int = 0
+
+
+def normalize_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if "://" in url else "http://" + url
+
+
+def default_master_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class WeightSync:
+    def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups,
+                 servers: Sequence[str], *, config: ReallocConfig | None = None, server_tp: int = 1,
+                 api_key: str | None = None, template_dir: str | Path | None = None,
+                 control_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
+                 on_bucket: Callable[[int, Bucket], None] | None = None) -> None:
+        self.chunks, self.arch, self.groups = list(chunks), arch, groups
+        self.config = config or ReallocConfig()
+        self.config.validate()
+        if self.config.method == "disk" and (template_dir is None or self.config.disk_dir is None):
+            raise ValueError("realloc.method=disk needs realloc.disk_dir and the model folder the servers "
+                             "started from (template_dir)")
+        self.server_tp, self.dtype, self.on_bucket = server_tp, dtype, on_bucket
+        self.template_dir = Path(template_dir) if template_dir is not None else None
+        self.control_group = control_group
+        self.rank0 = dist.get_rank(control_group) == 0
+        self.is_head = groups.tp_rank == 0 and groups.dp_rank == 0
+        self.servers: dict[str, int] = {normalize_url(u): server_tp for u in servers}
+        self.version: str | None = None
+        self.master_address = self.config.master_address or default_master_address()
+        self.backend = "nccl" if groups.backend == "nccl" else "gloo"
+        self.pool = ServerPool(api_key, self.config.timeout_s) if (self.is_head or self.rank0) else None
+        self._link: StageLink | None = None
+        self._generation = 0
+
+    # ---- the public sequence -------------------------------------------------------------
+    def sync(self, version: str | int) -> SyncResult:
+        """Collective: pause, transfer, set ``version`` on every server, continue."""
+        version, start = str(version), time.monotonic()
+        dropped = self._pause(list(self.servers))
+        outcome = self._push_until_done(version, dropped)
+        self._resume(list(self.servers))
+        self.version = version
+        result = SyncResult(version=version, seconds=time.monotonic() - start, bytes_sent=outcome.bytes_sent,
+                            buckets=outcome.buckets, max_bucket_bytes=outcome.max_bucket_bytes,
+                            servers=list(self.servers), dropped=dropped)
+        if self.rank0:
+            log.info("weights v%s on %d servers in %.2fs (%.1f MB, %d buckets)%s", version, len(self.servers),
+                     result.seconds, result.bytes_sent / 1e6, result.buckets,
+                     f"; dropped {', '.join(dropped)}" if dropped else "")
+        return result
+
+    def add_server(self, url: str, tp: int | None = None) -> None:
+        """Collective: give a server that joined late the current weights, then make it a member.
+
+        The server is paused until it holds them, so it never serves stale weights. Call it right
+        after a sync (the weights pushed are the trainer's current ones, labelled ``self.version``).
+        """
+        url = normalize_url(url)
+        if url in self.servers:
+            return
+        newcomer = {url: tp or self.server_tp}
+        if self.version is not None:
+            if self._pause([url]):
+                raise WeightSyncError(f"{url}: joining server does not answer")
+            outcome = self._push(self.version, newcomer, temporary=True)
+            if outcome.errors:
+                raise WeightSyncError("late server did not take the current weights: "
+                                      + "; ".join(outcome.errors.values()))
+            self._resume([url])
+        # the next sync re-forms the stage groups with the newcomer in them
+        self.servers.update(newcomer)
+        log.info("server %s joined at weight version %s", url, self.version)
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.destroy(list(self.servers))
+            self._link = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    # ---- steps (each collective over the control group) ----------------------------------
+    def _pause(self, urls: list[str]) -> dict[str, str]:
+        """Rank 0 pauses the servers; dead ones are dropped. Returns {url: error} of the dropped."""
+        errors: dict[str, str] = {}
+        if self.rank0:
+            assert self.pool is not None
+            mode = self.config.pause_mode
+            errors = self.pool.each(urls, lambda c: c.pause(mode))
+            alive = [u for u in urls if u not in errors]
+            errors.update(self.pool.each(alive, lambda c: c.begin_weight_update()))
+        return self._drop_dead(errors)
+
+    def _resume(self, urls: list[str]) -> None:
+        if self.rank0 and urls:
+            assert self.pool is not None
+            failed = self.pool.each(urls, lambda c: c.end_weight_update())
+            failed.update(self.pool.each(urls, lambda c: c.resume()))
+            for message in failed.values():  # a server lost here is found by the next sync's pause
+                log.error("continuing generation failed: %s", message)
+
+    def _push_until_done(self, version: str, dropped: dict[str, str]) -> _Outcome:
+        for attempt in range(self.config.max_retries + 1):
+            outcome = self._push(version, dict(self.servers))
+            if not outcome.errors:
+                return outcome
+            lost = self._drop_dead(outcome.errors)
+            dropped.update(lost)
+            refused = {u: m for u, m in outcome.errors.items() if u not in lost}
+            if refused:
+                raise WeightSyncError(f"weights v{version} refused (servers stay paused): "
+                                      + "; ".join(refused.values()))
+            log.warning("weights v%s: retrying without %s (attempt %d)", version, ", ".join(lost), attempt + 2)
+        raise WeightSyncError(f"weights v{version}: servers kept failing: " + "; ".join(dropped.values()))
+
+    def _drop_dead(self, errors: dict[str, str]) -> dict[str, str]:
+        """Rank 0 health-checks the servers named in ``errors``; all ranks drop the dead ones."""
+        dead: dict[str, str] = {}
+        if self.rank0 and errors:
+            assert self.pool is not None
+            health = self.pool.healthy([u for u in errors if u in self.servers])
+            dead = {u: errors[u] for u, ok in health.items() if not ok}
+        dead = self._from_rank0(dead)
+        for url, message in dead.items():
+            log.error("dropping rollout server %s: %s", url, message)
+            self.servers.pop(url, None)
+        return dead
+
+    def _push(self, version: str, servers: dict[str, int], temporary: bool = False) -> _Outcome:
+        if self.config.method == "disk":
+            return self._push_disk(version, list(servers))
+        local = _Outcome()
+        link = None
+        if self.is_head and servers:
+            link, local.errors = self._link_for(servers, temporary)
+        if self.groups.dp_rank == 0 and servers:
+            for bucket in hf_buckets(self.chunks, self.arch, self.groups.tp_group, self.groups.tp,
+                                     keep=self.is_head, bucket_bytes=self.config.bucket_bytes,
+                                     flat=self.config.flattened_bucket, dtype=self.dtype, device=self.groups.device):
+                if local.errors or link is None:
+                    continue  # keep gathering in step with the TP peers, send nothing more
+                local.errors = link.send(bucket, version)
+                local.buckets += 1
+                local.bytes_sent += bucket.nbytes
+                local.max_bucket_bytes = max(local.max_bucket_bytes, bucket.nbytes)
+                if self.on_bucket is not None:
+                    self.on_bucket(local.buckets - 1, bucket)
+        outcome = self._merge(local)
+        if link is not None and (temporary or outcome.errors):
+            link.destroy([u for u in servers if u not in outcome.errors])
+            if link is self._link:
+                self._link = None
+        return outcome
+
+    def _link_for(self, servers: dict[str, int], temporary: bool) -> tuple[StageLink | None, dict[str, str]]:
+        """The stage's group with exactly ``servers``, formed now unless the current one matches."""
+        if not temporary and self._link is not None and self._link.urls == list(servers):
+            return self._link, {}
+        if not temporary and self._link is not None:
+            self._link.destroy(list(servers))
+            self._link = None
+        self._generation += 1
+        assert self.pool is not None
+        link = StageLink(self.pool, servers, stage=self.groups.pp_rank, generation=self._generation,
+                         master_address=self.master_address, backend=self.backend,
+                         timeout_s=self.config.timeout_s)
+        errors = link.form()
+        if errors:
+            link.destroy([u for u in servers if u not in errors])
+            return None, errors
+        if not temporary:
+            self._link = link
+        return link, {}
+
+    def _push_disk(self, version: str, urls: list[str]) -> _Outcome:
+        assert self.config.disk_dir is not None and self.template_dir is not None
+        root = Path(self.config.disk_dir)
+        folder = write_hf_folder(self.chunks, self.arch, self.groups, root=root, version=version,
+                                 template_dir=self.template_dir, control_group=self.control_group,
+                                 dtype=self.dtype)
+        local = _Outcome()
+        if self.rank0:
+            assert self.pool is not None
+            local.errors = self.pool.each(urls, lambda c: c.update_weights_from_disk(
+                str(folder), weight_version=version, timeout_s=self.config.timeout_s))
+            local.bytes_sent = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+            local.buckets = len(list(folder.glob("*.safetensors")))
+            local.max_bucket_bytes = local.bytes_sent
+            prune_versions(root, keep=folder)
+        return self._merge(local)
+
+    def _merge(self, local: _Outcome) -> _Outcome:
+        """Every rank's outcome, combined identically on all ranks."""
+        world = dist.get_world_size(self.control_group)
+        parts: list[_Outcome | None] = [None] * world
+        dist.all_gather_object(parts, local, group=self.control_group)
+        total = _Outcome()
+        for part in parts:
+            assert part is not None
+            total.errors.update(part.errors)
+            total.bytes_sent += part.bytes_sent
+            total.buckets += part.buckets
+            total.max_bucket_bytes = max(total.max_bucket_bytes, part.max_bucket_bytes)
+        return total
+
+    def _from_rank0(self, value: dict[str, str]) -> dict[str, str]:
+        box: list[dict[str, str]] = [value]
+        dist.broadcast_object_list(box, group=self.control_group, group_src=0)
+        return box[0]
