@@ -54,16 +54,16 @@ def _rollout_side(cfg: Config, hf_dir: Path, server_urls: list[str], version: in
     from transformers import AutoTokenizer
 
     from megatron_areal.data.stream import PromptStream
-    from megatron_areal.data.tasks import load_task
+    from megatron_areal.data.tasks import load_datasets
     from megatron_areal.data.template import encode_prompt
     from megatron_areal.metrics import MetricsWriter
     from megatron_areal.reward import RewardService
     from megatron_areal.rollout.controller import RolloutController
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    stream = PromptStream(load_task(cfg.data.train, seed=cfg.data.seed), seed=cfg.data.seed)
-    eval_prompts = load_task(cfg.data.eval, seed=cfg.data.seed, size=cfg.data.eval_size) if cfg.data.eval_size else []
-    rewards = RewardService(cfg.reward)
+    train_prompts, eval_prompts = load_datasets(cfg.data)
+    stream = PromptStream(train_prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    rewards = RewardService(cfg.reward, tasks={p.task for p in train_prompts + eval_prompts})
     controller = RolloutController(
         cfg.rollout, cfg.staleness, server_urls, stream,
         encode=lambda p: encode_prompt(tokenizer, p, cfg.data.chat_template),
