@@ -8,7 +8,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_areal", "megatron_areal.*"]),
-    package_data={"megatron_areal": ["configs/*.yaml"]},
     install_requires=[
         # torch: the CPU install pins 2.13.0 (see README); clusters bring their own CUDA build.
         "torch>=2.6",
