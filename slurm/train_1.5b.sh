@@ -19,7 +19,8 @@
 #
 # Roles are given per node by megatron_areal/launch/plan.py: the first trainer nodes run torchrun
 # (rendezvous on the first of them), the other nodes run SGLang servers that register in
-# RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log and server-<id>.log.
+# RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log (node agents), torchrun-<node>.log
+# and server-<id>.log.
 # Requeue (node failure, preemption, or the time limit: USR1 arrives 10 min before it and the job
 # requeues itself) reruns this script; the trainer resumes from the newest checkpoint in RUN_DIR.
 #SBATCH --job-name=areal-1.5b

@@ -10,7 +10,8 @@
 # eta:      1
 # ==
 # The first node trains (one gloo rank), the second runs two embedded rollout servers that
-# register in RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log, server-<id>.log.
+# register in RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log (node agents),
+# torchrun-<node>.log, server-<id>.log.
 # CI submits this to its two-node local cluster (.ci/slurm_up.sh) and checks the steps and the
 # TensorBoard events; a requeued job resumes from the newest checkpoint in RUN_DIR.
 #SBATCH --job-name=areal-tiny

@@ -68,7 +68,7 @@ def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespac
     t = plan.trainer
     rank = t.nodes.index(node)
     cmd = trainer_command(plan, rank, args.config, args.overrides, args.plan)
-    child = procs.start(f"trainer-{node}", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port)))
+    child = procs.start(f"torchrun-{node}", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port)))
     procs.wait_any()
     return child.returncode() or 0
 
