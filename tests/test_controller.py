@@ -176,3 +176,54 @@ def test_get_batch_timeout_says_what_is_missing():
             ctl.get_batch(timeout=0.3)
     finally:
         fleet.close()
+
+
+@pytest.mark.slow
+def test_with_embedded_server_across_weight_updates(tiny_llama):
+    """One real embedded server process, the real prompt stream, tokenizer and reward pool, and
+    real weight updates (from disk, as versions 1, 2, 3) while samples are being decoded."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from megatron_areal.data import PromptStream, encode_prompt, load_task
+    from megatron_areal.reward import RewardConfig, RewardService
+    from megatron_areal.rollout.client import RolloutClient
+    from megatron_areal.server.local import start_embedded
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    stream = PromptStream(load_task("arithmetic", seed=0, size=64), seed=0)
+    cfg = RolloutConfig(batch_size=2, group_size=2, max_new_tokens=96, max_concurrent=4,
+                        filter_equal_rewards=False, temperature=1.0)
+
+    async def server_call(url: str, version: int | None = None) -> int:
+        """Load a new policy version (same files: what matters is the version) or read the load."""
+        async with RolloutClient(url) as client:
+            if version is None:
+                return await client.load()
+            await client.update_weights_from_disk(str(tiny_llama), weight_version=str(version))
+            return 0
+
+    trained: list[tuple[int, Trajectory]] = []
+    with start_embedded(tiny_llama, args=["--max-running", "8"]) as server, \
+            RewardService(RewardConfig(workers=1), tasks=["arithmetic"]) as rewards:
+        ctl = RolloutController(cfg, StalenessConfig(eta=1), [server.url], stream,
+                                lambda p: encode_prompt(tokenizer, p, True), tokenizer.decode, rewards)
+        with ctl:
+            for version in range(1, 4):
+                while asyncio.run(server_call(server.url)) == 0:  # wait until something decodes
+                    time.sleep(0.01)
+                time.sleep(0.05)
+                ctl.pause_generation()
+                asyncio.run(server_call(server.url, version))
+                ctl.resume_generation(version)
+                trained += [(version, t) for t in ctl.get_batch(timeout=120)]
+            metrics = ctl.metrics()
+    for version, t in trained:
+        assert len(t.output_ids) == len(t.output_logprobs) == len(t.output_versions) > 0
+        assert t.output_versions == sorted(t.output_versions) and all(lp <= 0 for lp in t.output_logprobs)
+        assert t.start_version <= t.output_versions[0] and version - t.start_version <= 1
+    crossed = [t for _, t in trained if len(set(t.output_versions)) > 1]
+    assert crossed, "no sample was decoded across an update"
+    assert all(t.interruptions >= 1 for t in crossed)
+    assert metrics["perf/gen_tokens_per_s"] > 0
