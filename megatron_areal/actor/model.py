@@ -138,7 +138,7 @@ def _global_name(name: str, layer_offset: int, tied: bool) -> str:
 
 def _full_init(name: str, shape: list[int], vocab_size: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "norm_weight")):  # local spec: *layernorm.weight; TE: *.layer_norm_weight
         return torch.ones(shape)
     full = torch.randn(shape, generator=gen) * 0.02
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
