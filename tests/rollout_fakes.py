@@ -33,6 +33,7 @@ class FakeServer:
     cut: set[str] = field(default_factory=set)  # rids in flight when the server was killed
     active: int = 0
     max_active: int = 0
+    reject_prompt: int | None = None  # answer 400 to requests for this prompt index (a bad request)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -52,6 +53,8 @@ class FakeServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if body["input_ids"][2] == self.reject_prompt:
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
         while self.paused:
             await self._resumed.wait()
         max_new = int(body["sampling_params"]["max_new_tokens"])

@@ -178,6 +178,21 @@ def test_get_batch_timeout_says_what_is_missing():
         fleet.close()
 
 
+def test_rejected_request_skips_its_group_and_lost_fleet_is_reported(caplog):
+    fleet = FakeFleet([FakeServer(seed=0, reject_prompt=1)])
+    try:
+        ctl = make_controller(fleet, ListPrompts(10_000), eta=4)
+        with ctl:
+            trained = {t.prompt_index for _ in range(3) for t in ctl.get_batch(timeout=60)}
+            assert 1 not in trained and ctl.metrics()["rollout/sample_failures"] == 1
+            fleet.run(fleet.servers[0].kill())
+            with pytest.raises(RolloutError, match=rf"servers down 1/1 \({fleet.urls[0]}\)"):
+                for _ in range(100):
+                    ctl.get_batch(timeout=0.5)
+    finally:
+        fleet.close()
+
+
 @pytest.mark.slow
 def test_with_embedded_server_across_weight_updates(tiny_llama):
     """One real embedded server process, the real prompt stream, tokenizer and reward pool, and

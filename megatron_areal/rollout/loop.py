@@ -118,13 +118,13 @@ class RolloutLoop:
             self._spawn(self._run_group(gid, prompt, self.version), f"group-{gid}")
 
     async def _run_group(self, gid: int, prompt: PromptLike, version: int) -> None:
+        group = None
         try:
             group = await self._generate_group(gid, prompt, version)
-        except SampleError as e:
-            log.error("group %d (prompt %d) failed and is skipped: %s", gid, prompt.index, e)
+        except* SampleError as failed:  # the request itself is bad: skip the group, keep running
+            log.error("group %d (prompt %d) failed and is skipped: %s",
+                      gid, prompt.index, failed.exceptions[0])
             self.counters["sample_failures"] += 1
-            self._finish(gid, None)
-            return
         self._finish(gid, group)
 
     async def _generate_group(self, gid: int, prompt: PromptLike, version: int) -> Group:

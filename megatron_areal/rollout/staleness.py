@@ -13,7 +13,9 @@ the version backwards raises ``GateError`` instead of being absorbed):
 - ``on_drop``    an accepted group was found too stale to train and removed: ``accepted -= 1``,
                  which frees its slot so a fresh group can replace it.
 - ``on_version`` the trainer published new weights.
-- ``on_requeue`` in-flight groups were handed back to the dataset (restore): ``running -= n``.
+
+In-flight groups are not part of a saved state: a restore hands their prompts back to the
+dataset, so a restored gate starts with ``running = 0``.
 
 ``accepted`` therefore counts groups trained so far plus those waiting in the buffer, which is
 what the capacity formula of DESIGN.md section 1 needs.
@@ -109,10 +111,6 @@ class StalenessGate:
     def on_drop(self, n: int = 1) -> None:
         with self._lock:
             self._apply("drop", accepted=-n, dropped=n)
-
-    def on_requeue(self, n: int) -> None:
-        with self._lock:
-            self._apply("requeue", running=-n)
 
     def on_version(self, version: int) -> None:
         with self._lock:
