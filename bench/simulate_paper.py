@@ -1,0 +1,98 @@
+"""The simulator against the paper's published figures, with no constant fitted to them.
+
+Prints, side by side in one run: the asynchronous speedup over synchronous for the 1.5B (16
+nodes) and 7B (24 nodes) settings against the paper's 2.77x and 2.27x; the generation-throughput
+gain of interruptible generation on 4 nodes against +12% and +17%; how the speedup moves with the
+one workload assumption (mean response length); and throughput from 16 to 512 GPUs.
+Last line: ``RESULT sim_vs_paper_worst_error <fraction>`` over the four ratios.
+
+Usage: python bench/simulate_paper.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from megatron_areal.config import load_config
+from megatron_areal.sim.engine import simulate
+from megatron_areal.sim.planner import scaling
+from megatron_areal.sim.scenario import from_config
+
+ROOT = Path(__file__).resolve().parent.parent
+PAPER_SPEEDUP = {"1.5b": 2.77, "7b": 2.27}  # Table 1: 41.0 h / 14.8 h and 57.7 h / 25.4 h
+PAPER_INTERRUPT = {"1.5b": 0.12, "7b": 0.17}  # generation throughput gain on 4 nodes
+
+
+def config(size: str, *overrides: str):
+    return load_config(ROOT / "configs" / f"paper_{size}.yaml", list(overrides))
+
+
+def speedup(size: str, steps: list[str]) -> tuple[float, float, float]:
+    cfg = config(size, *steps)
+    a = simulate(from_config(cfg, mode="async"))
+    s = simulate(from_config(cfg, mode="sync"))
+    return s.step_time / a.step_time, s.step_time, a.step_time
+
+
+def interrupt_gain(size: str, steps: list[str]) -> tuple[float, float, float]:
+    """4 nodes, servers kept saturated (eta large, 2 batches in flight) so the figure is the
+    generation side's throughput under the trainer's update cadence, as in the paper's ablation."""
+    rates = []
+    for flag in ("true", "false"):
+        cfg = config(size, *steps, "cluster.nodes=4", "staleness.eta=1000", "rollout.max_concurrent=1024",
+                     f"sim.interruptible={flag}")
+        rates.append(simulate(from_config(cfg, mode="async")).gen_tokens_per_s)
+    return rates[0] / rates[1] - 1, rates[0], rates[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer simulated steps")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    steps = ["sim.steps=12", "sim.warmup_steps=4"] if args.quick else ["sim.steps=24", "sim.warmup_steps=6"]
+    t0 = time.time()
+    errors = {}
+    print("async speedup over sync, same GPUs (sim: steady state, response mean 8k tokens, sigma 1.0)")
+    for size, nodes in (("1.5b", 16), ("7b", 24)):
+        ratio, sync_s, async_s = speedup(size, steps)
+        err = abs(ratio / PAPER_SPEEDUP[size] - 1)
+        errors[f"speedup {size}"] = err
+        print(f"  {size:>4} on {nodes} nodes: sim {ratio:.2f}x ({sync_s:.0f} s -> {async_s:.0f} s per step, "
+              f"{sync_s / 3.6:.1f} h -> {async_s / 3.6:.1f} h per 1,000 steps)   "
+              f"paper {PAPER_SPEEDUP[size]:.2f}x   error {100 * err:.1f}%", flush=True)
+    print("interruptible generation, generation throughput gain on 4 nodes")
+    for size in ("1.5b", "7b"):
+        gain, on, off = interrupt_gain(size, steps)
+        err = abs((1 + gain) / (1 + PAPER_INTERRUPT[size]) - 1)
+        errors[f"interrupt {size}"] = err
+        paper = PAPER_INTERRUPT[size]
+        print(f"  {size:>4}: sim {100 * gain:+.1f}% ({off:.0f} -> {on:.0f} tokens/s)   paper "
+              f"{100 * paper:+.0f}%   off by {100 * (gain - paper):+.1f} points", flush=True)
+    print("sensitivity of the speedup to the assumed mean response length (not fitted; shown)")
+    quick = ["sim.steps=12", "sim.warmup_steps=4"]
+    for mean in (5000, 11000):
+        over = [*quick, f"sim.response_mean_tokens={mean}"]
+        row = [f"{speedup(size, over)[0]:.2f}x" for size in ("1.5b", "7b")]
+        print(f"  mean {mean:>5} tokens: 1.5b {row[0]}, 7b {row[1]}", flush=True)
+    print("throughput vs GPUs, 1.5B, trained tokens/s (per GPU in brackets)")
+    points = scaling(config("1.5b", *quick), progress=False)
+    for n in sorted({p.gpus for p in points}):
+        row = {p.mode: p.result.train_tokens_per_s for p in points if p.gpus == n}
+        cells = "  ".join(f"{m} {row[m]:9.0f} ({row[m] / n:6.0f})" for m in ("async", "sync") if m in row)
+        print(f"  {n:4d} GPUs  {cells}", flush=True)
+    worst = max(errors, key=errors.get)
+    print(f"worst: {worst} ({100 * errors[worst]:.1f}%); wall {time.time() - t0:.0f} s")
+    print("why the interruptible gain misses: without interruption a server admits nothing until its\n"
+          "longest in-flight response (up to 27,648 tokens) ends, so the loss is drain time over update\n"
+          "interval. The paper does not state its 4-node split or update interval; the sim takes the 3:1\n"
+          "split of the configs, whose trainer sets the interval (short for 1.5B, long for 7B).")
+    print(f"RESULT sim_vs_paper_worst_error {errors[worst]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
