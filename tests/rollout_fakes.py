@@ -34,6 +34,7 @@ class FakeServer:
     active: int = 0
     max_active: int = 0
     reject_prompt: int | None = None  # answer 400 to requests for this prompt index (a bad request)
+    slow_prompt: int | None = None  # this prompt index decodes 20x slower and never stops early
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -66,13 +67,14 @@ class FakeServer:
         self._transports.add(request.transport)
         self.inflight.add(body.get("rid"))
         try:
+            slow = body["input_ids"][2] == self.slow_prompt
             while len(out) < max_new:
-                await asyncio.sleep(self.rng.uniform(*self.token_delay))
+                await asyncio.sleep(self.rng.uniform(*self.token_delay) * (20 if slow else 1))
                 if self._abort_epoch != epoch:
                     reason = "abort"
                     break
                 out.append(self._token())
-                if out[-1] % 1000 == STOP_OFFSET:
+                if out[-1] % 1000 == STOP_OFFSET and not slow:
                     reason = "stop"
                     break
         finally:

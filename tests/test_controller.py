@@ -84,6 +84,27 @@ def test_staleness_bound_capacity_rule_and_versions(fleet3):
     assert metrics["perf/gen_tokens_per_s"] > 0
 
 
+def test_group_that_outlives_eta_is_dropped_and_counted(caplog):
+    fleet = FakeFleet([FakeServer(seed=i, slow_prompt=0) for i in range(2)])
+    try:
+        ctl = make_controller(fleet, ListPrompts(10_000), eta=1, max_new_tokens=24)
+        trained = []
+        with caplog.at_level(logging.INFO, logger="megatron_areal.rollout.loop"), ctl:
+            for step in range(200):
+                trained += [(step, t) for t in ctl.get_batch(timeout=60)]
+                weight_update(ctl, fleet, step + 1)
+                if any("(prompt 0)" in r.message for r in caplog.records):
+                    break
+            metrics = ctl.metrics()
+        dropped = [r.message for r in caplog.records if "dropped stale group" in r.message]
+        assert len(dropped) == metrics["rollout/dropped_stale"] >= 1
+        assert any("(prompt 0)" in m for m in dropped)
+        assert 0 not in {t.prompt_index for _, t in trained}
+        assert all(step - t.start_version <= 1 for step, t in trained)
+    finally:
+        fleet.close()
+
+
 def test_synchronous_mode_generates_nothing_while_training(fleet3):
     ctl = make_controller(fleet3, ListPrompts(10_000), eta=0)
     with ctl:

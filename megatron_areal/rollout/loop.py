@@ -166,9 +166,13 @@ class RolloutLoop:
         else:
             self.gate.on_reject()
         if outcome is PutResult.STALE:
-            log.info("group %d finished too stale (started at %d, now %d): dropped",
-                     gid, group.start_version, self.version)
+            self._log_dropped([group])
         self._changed.notify()
+
+    def _log_dropped(self, groups: list[Group]) -> None:
+        for g in groups:
+            log.info("dropped stale group %d (prompt %d): started at version %d, now %d, eta %d",
+                     g.group_id, g.prompt_index, g.start_version, self.version, self.eta)
 
     async def _health_loop(self) -> None:
         while True:
@@ -189,6 +193,7 @@ class RolloutLoop:
                 raise RolloutError(f"rollout loop failed: {self._error!r}") from self._error
             batch, dropped = self.buffer.take(self.version, self.cfg.batch_size)
             if dropped:
+                self._log_dropped(dropped)
                 self.gate.on_drop(len(dropped))
                 self._changed.notify()
             if batch is not None:
@@ -238,6 +243,7 @@ class RolloutLoop:
         self.version = version
         dropped = self.buffer.drop_stale(version)
         if dropped:
+            self._log_dropped(dropped)
             self.gate.on_drop(len(dropped))
         if self._changed is not None:
             self._changed.notify()
