@@ -244,3 +244,23 @@ def test_bad_inputs_fail_clearly(groups):
     assert "trajectory 0: 45 tokens, more than model.max_seq_len=40" in errors["too_long_ppo"]
     assert "sequence 0 has 30 tokens, more than the micro-batch token budget parallel.max_tokens_per_mb=16" \
         in errors["over_budget"]
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}])
+def test_rope_frequencies_match_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_areal.actor.model import rope_inv_freq
+    from megatron_areal.convert.arch import arch_from_hf_config
+
+    hf = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, head_dim=16, rope_theta=500000.0, rope_scaling=scaling)
+    ours = rope_inv_freq(arch_from_hf_config(hf.to_dict()))
+    if scaling is None:
+        want = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    else:
+        want, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+    torch.testing.assert_close(ours, want.float(), rtol=1e-6, atol=0)
