@@ -56,7 +56,7 @@ def _trajectories() -> list[Any]:
     return out
 
 
-def _actor(arch_name: str, tp: int, pp: int, sp: bool, budget: int = 48):
+def _actor(arch_name: str, tp: int, pp: int, sp: bool, budget: int = 48, kl_coef: float = 0.0):
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel
@@ -66,7 +66,7 @@ def _actor(arch_name: str, tp: int, pp: int, sp: bool, budget: int = 48):
     return Actor(ARCHS[arch_name], ModelConfig(max_seq_len=40, dtype="float32"),
                  ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, max_tokens_per_mb=budget),
                  OptimizerConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0, distributed=True),
-                 PPOConfig(n_minibatches=2, behav_imp_weight_cap=5.0), groups, seed=3, total_steps=4)
+                 PPOConfig(n_minibatches=2, behav_imp_weight_cap=5.0, kl_coef=kl_coef), groups, seed=3, total_steps=4)
 
 
 def case_layout(arch_name: str, tp: int, pp: int, sp: bool) -> dict[str, Any]:
@@ -103,6 +103,26 @@ def case_reference(arch_name: str) -> dict[str, Any]:
     out["full_vocab"], out["full_entropy"] = full, full_entropy
     teardown_parallel()
     return out
+
+
+def case_kl() -> dict[str, Any]:
+    """KL to a reference snapshot: reference logprobs are the snapshot's, the policy is restored."""
+    from megatron_areal.actor.parallel import teardown_parallel
+
+    trajs = _trajectories()
+    seqs = [t.input_ids for t in trajs]
+    actor = _actor("llama", 1, 1, False, kl_coef=0.5)
+    before = actor.compute_logprobs(seqs, TEMPERATURE)
+    actor.set_reference()
+    first = actor.ppo_update(trajs, TEMPERATURE)
+    after = actor.compute_logprobs(seqs, TEMPERATURE)
+    reference = actor._reference_logprobs(seqs, TEMPERATURE)
+    again = actor.compute_logprobs(seqs, TEMPERATURE)
+    second = actor.ppo_update(trajs, TEMPERATURE)
+    teardown_parallel()
+    as_lists = lambda xs: [x.tolist() for x in xs]  # noqa: E731
+    return {"before": as_lists(before), "after": as_lists(after), "reference": as_lists(reference),
+            "again": as_lists(again), "kl_first": first["kl"], "kl_second": second["kl"]}
 
 
 def case_bad_inputs() -> dict[str, str]:
@@ -198,6 +218,8 @@ def groups():
     ref["llama"] = one.collect()[0]
     one.submit(case_bad_inputs)
     ref["errors"] = one.collect()[0]
+    one.submit(case_kl)
+    ref["kl"] = one.collect()[0]
     one.close()
     yield four, ref
     four.close()
@@ -244,6 +266,15 @@ def test_bad_inputs_fail_clearly(groups):
     assert "trajectory 0: 45 tokens, more than model.max_seq_len=40" in errors["too_long_ppo"]
     assert "sequence 0 has 30 tokens, more than the micro-batch token budget parallel.max_tokens_per_mb=16" \
         in errors["over_budget"]
+
+
+def test_kl_reference_is_the_snapshot_and_the_policy_is_restored(groups):
+    kl = groups[1]["kl"]
+    _close(kl["reference"], kl["before"], 1e-6)  # the snapshot taken before the update
+    _close(kl["again"], kl["after"], 0.0)  # swapping the reference in and out leaves the policy intact
+    assert max(abs(a - b) for x, y in zip(kl["after"], kl["before"]) for a, b in zip(x, y)) > 1e-3
+    # the first mini-batch starts at the reference (KL 0); later ones have moved away from it
+    assert 0 < kl["kl_first"] < kl["kl_second"]
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
