@@ -23,7 +23,7 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
-    max_tokens_per_mb: int = 4096  # token budget of one packed micro-batch
+    max_tokens_per_mb: int = 4096  # token budget of one packed micro-batch (>= model.max_seq_len)
     packing: Literal["ffd", "kk"] = "ffd"  # first-fit-decreasing or Karmarkar-Karp
 
     def validate(self) -> None:
@@ -42,11 +42,12 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    warmup_steps: int = 0
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0  # optimizer steps (each training step makes ppo.n_minibatches of them)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # decays to min_lr at the last step
     distributed: bool = True  # Megatron's distributed optimizer (shards state across DP)
 
     def validate(self) -> None:
         require(self.lr > 0, "lr", "must be positive")
+        require(0 <= self.min_lr <= self.lr, "min_lr", "must be between 0 and lr")
         require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
