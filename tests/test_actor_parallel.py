@@ -295,3 +295,23 @@ def test_rope_frequencies_match_transformers(scaling):
     else:
         want, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
     torch.testing.assert_close(ours, want.float(), rtol=1e-6, atol=0)
+
+
+def test_advantages_per_group_and_whitened_over_the_batch():
+    from megatron_areal.actor.ppo_batch import sequence_advantages, token_advantages
+    from megatron_areal.rollout.trajectory import Trajectory
+
+    def traj(group: int, reward: float, n_out: int) -> Trajectory:
+        return Trajectory(prompt_ids=[1, 2], output_ids=[3] * n_out, output_logprobs=[-1.0] * n_out,
+                          group_id=group, reward=reward)
+
+    trajs = [traj(0, 1.0, 2), traj(1, 0.0, 1), traj(0, 0.0, 3), traj(1, 1.0, 2), traj(1, 1.0, 1)]
+    adv = sequence_advantages(trajs, "drgrpo")  # groups of different sizes: 2 and 3
+    assert adv == pytest.approx([0.5, -2 / 3, -0.5, 1 / 3, 1 / 3])
+    per_pos = token_advantages(trajs, adv, normalize=False)
+    assert per_pos[2] == pytest.approx([0.0, -0.5, -0.5, -0.5])  # prompt position carries nothing
+    white = torch.tensor([v for row in token_advantages(trajs, adv, normalize=True) for v in row])
+    mask = torch.tensor([m for t in trajs for m in t.loss_mask], dtype=torch.bool)
+    assert float(white[mask].mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(white[mask].std(unbiased=False)) == pytest.approx(1.0, abs=1e-4)
+    assert float(white[~mask].abs().max()) == 0.0

@@ -21,7 +21,8 @@ first stage holds ``embedding``, the last ``decoder.final_layernorm`` and ``outp
     decoder.final_layernorm.weight                           [hidden]
     output_layer.weight                                      [padded_vocab/tp, hidden]  (untied only)
 
-``linear_qkv`` rows are grouped per KV head: for each of the ``nkv`` groups, its
+``*._extra_state`` entries (Transformer Engine FP8 metadata, empty here) also appear in the state
+dict; they carry no weights. ``linear_qkv`` rows are grouped per KV head: for each of the ``nkv`` groups, its
 ``nq / nkv`` query heads, then one key head, then one value head (head_dim rows each); TP splits
 whole groups. ``linear_fc1`` on each TP rank is ``[gate_shard; up_shard]``. With the TE spec the
 input/pre-MLP norms are fused into the next linear and are named
