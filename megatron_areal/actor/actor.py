@@ -141,7 +141,14 @@ class Actor:
 
     # ---------------------------------------------------------------- PPO
     def ppo_update(self, trajectories: Sequence[Trajectory], temperature: float = 1.0) -> dict[str, float]:
-        """Recompute proximal logprobs, compute advantages, run ``ppo.n_minibatches`` optimizer steps."""
+        """Recompute proximal logprobs, compute advantages, run ``ppo.n_minibatches`` optimizer steps.
+
+        Every rank passes the same full list. Returns, on every rank: ``loss``, ``clip_fraction``,
+        ``importance_weight_mean``, ``entropy``, ``kl``, ``grad_norm`` (means over mini-batches),
+        ``importance_weight_max``, ``tokens`` (loss tokens), ``dropped_tokens``, ``lr`` (after the
+        update), ``n_microbatches`` (per DP rank) and ``tokens_per_s`` (all tokens over the wall time
+        of the whole update, proximal recompute included).
+        """
         start = time.perf_counter()
         cfg = self.ppo_cfg
         check_trajectories(trajectories, self.model_cfg.max_seq_len)
@@ -168,8 +175,7 @@ class Actor:
         out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
         out["importance_weight_max"] = max(s["importance_weight_max"] for s in stats)
         out.update(tokens=sum(s["tokens"] for s in stats), dropped_tokens=sum(s["dropped_tokens"] for s in stats),
-                   lr=current_lr(self.optimizer), grad_norm=stats[-1]["grad_norm"],
-                   tokens_per_s=sum(lengths) / (time.perf_counter() - start))
+                   lr=current_lr(self.optimizer), tokens_per_s=sum(lengths) / (time.perf_counter() - start))
         return out
 
     def _minibatch_step(self, sequences: list[list[int]], values: dict[str, Sequence[Sequence[float]]],
