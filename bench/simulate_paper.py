@@ -64,6 +64,9 @@ def main() -> int:
         print(f"  {size:>4} on {nodes} nodes: sim {ratio:.2f}x ({sync_s:.0f} s -> {async_s:.0f} s per step, "
               f"{sync_s / 3.6:.1f} h -> {async_s / 3.6:.1f} h per 1,000 steps)   "
               f"paper {PAPER_SPEEDUP[size]:.2f}x   error {100 * err:.1f}%", flush=True)
+        alt = speedup(size, [*steps, "sim.sync_placement=colocated"])
+        print(f"        (not scored) were the sync baseline time-sharing all GPUs instead of the 1:1 split: "
+              f"{alt[0]:.2f}x", flush=True)
     print("interruptible generation, generation throughput gain on 4 nodes")
     for size in ("1.5b", "7b"):
         gain, on, off = interrupt_gain(size, steps)

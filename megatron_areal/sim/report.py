@@ -5,8 +5,9 @@ from megatron_areal.sim.result import RunResult
 
 
 def staleness_line(r: RunResult) -> str:
-    total = sum(r.staleness.values()) or 1
-    parts = [f"{k}: {100 * v / total:.0f}%" for k, v in sorted(r.staleness.items())]
+    """Share of trained groups by staleness, after warm-up (the pipeline fill skews the first steps)."""
+    total = sum(r.steady_staleness.values()) or 1
+    parts = [f"{k}: {100 * v / total:.0f}%" for k, v in sorted(r.steady_staleness.items())]
     return ", ".join(parts) + f" (mean {r.staleness_mean():.2f}, max {r.max_staleness})"
 
 

@@ -35,6 +35,7 @@ class RunResult:
     buffered: int = 0
     trained_tokens: int = 0
     staleness: Counter = field(default_factory=Counter)  # train version - start version, per group
+    steady_staleness: Counter = field(default_factory=Counter)  # the same, after warm-up only
     versions_per_sample: Counter = field(default_factory=Counter)  # weight versions in one sample
     snapshots: list[Snapshot] = field(default_factory=list)
     retracted: int = 0
@@ -44,8 +45,11 @@ class RunResult:
     def record_batch(self, version: int, batch: list[Group], tokens: int) -> None:
         self.trained += len(batch)
         self.trained_tokens += tokens
+        steady = version >= self.scenario.sim.warmup_steps
         for g in batch:
             self.staleness[version - g.start_version] += 1
+            if steady:
+                self.steady_staleness[version - g.start_version] += 1
             for r in g.requests:
                 self.versions_per_sample[len(r.versions)] += 1
 
@@ -100,6 +104,7 @@ class RunResult:
     def max_staleness(self) -> int:
         return max(self.staleness) if self.staleness else 0
 
-    def staleness_mean(self) -> float:
-        total = sum(self.staleness.values())
-        return sum(k * v for k, v in self.staleness.items()) / total if total else 0.0
+    def staleness_mean(self, steady: bool = True) -> float:
+        counts = self.steady_staleness if steady else self.staleness
+        total = sum(counts.values())
+        return sum(k * v for k, v in counts.items()) / total if total else 0.0
