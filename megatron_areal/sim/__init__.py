@@ -9,9 +9,7 @@ KV cache, interruptible updates), ``engine`` (events, the real ``StalenessGate``
 
 The efficiencies in ``SimConfig`` (HBM, MFU, per-step overhead) are stated defaults, not values
 fitted to the paper; ``megatron-areal simulate --calibrate RUN_DIR`` refits them to a real run.
-"""
-from megatron_areal.sim.engine import simulate
-from megatron_areal.sim.result import RunResult
-from megatron_areal.sim.scenario import Scenario, from_config
 
-__all__ = ["RunResult", "Scenario", "from_config", "simulate"]
+Nothing is imported here: ``megatron_areal.config`` imports ``sim.config`` and the engine
+imports the config tree, so the package itself stays empty to avoid an import cycle.
+"""
