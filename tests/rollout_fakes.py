@@ -106,17 +106,22 @@ class FakeServer:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.version)})
+
     async def start(self) -> None:
-        self._resumed = asyncio.Event()
+        """Listen (again, on the same port once one was bound): a (re)started, unpaused server."""
+        self.paused, self._resumed = False, asyncio.Event()
         app = web.Application()
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/pause_generation", self.pause)
         app.router.add_post("/continue_generation", self.resume)
         app.router.add_post("/abort_request", self.abort)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/get_weight_version", self.get_weight_version)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
         self.port = self._runner.addresses[0][1]
 

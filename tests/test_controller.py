@@ -136,20 +136,40 @@ def test_routing_prefers_least_loaded_server():
         fleet.close()
 
 
-def test_dead_server_is_marked_unhealthy_and_its_requests_rerouted(caplog):
+def test_dead_server_is_rerouted_around_and_rejoins_only_with_current_weights(caplog):
     fleet = FakeFleet([FakeServer(seed=i, token_delay=(0.003, 0.006)) for i in range(3)])
     victim = fleet.servers[0]
     try:
         ctl = make_controller(fleet, ListPrompts(10_000), eta=4)
-        with caplog.at_level(logging.ERROR), ctl:
+        with caplog.at_level(logging.WARNING), ctl:
             ctl.get_batch(timeout=60)
             while victim.active == 0:
                 time.sleep(0.001)
             fleet.run(victim.kill())
+            n_seen = len(victim.requests)
             for _ in range(3):
                 for t in ctl.get_batch(timeout=60):
                     check_tokens(t)
             metrics = ctl.metrics()
+            # Restarted with the old weights, it answers health probes but is kept out ...
+            weight_update(ctl, fleet, 1)
+            victim.version = 0
+            fleet.run(victim.start())
+            time.sleep(0.7)
+            assert ctl.metrics()["rollout/healthy_servers"] == 2 and not victim.requests[n_seen:]
+            # ... until a weight sync brings it to the current version.
+            victim.version = 1
+            deadline = time.monotonic() + 20
+            while ctl.metrics()["rollout/healthy_servers"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for version in range(2, 20):  # train on until new work has been routed
+                for t in ctl.get_batch(timeout=60):
+                    check_tokens(t)
+                weight_update(ctl, fleet, version)
+                if victim.requests[n_seen:]:
+                    break
+        assert victim.requests[n_seen:], "the updated server got no work after rejoining"
+        assert any("holds weights version '0'" in r.message for r in caplog.records)
         assert metrics["rollout/healthy_servers"] == 2
         assert metrics["rollout/request_failures"] >= 1
         assert any("unhealthy" in r.message and victim.url in r.message for r in caplog.records)

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_areal.rollout.buffer import Group, PutResult, ReplayBuffer
-from megatron_areal.rollout.client import RolloutClient
+from megatron_areal.rollout.client import RolloutClient, ServerError
 from megatron_areal.rollout.config import RolloutConfig
 from megatron_areal.rollout.metrics import ThroughputWindow, batch_stats
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser, generate_sample
-from megatron_areal.rollout.routing import ServerPool
+from megatron_areal.rollout.routing import ServerPool, ServerSlot
 from megatron_areal.rollout.sources import PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate
 from megatron_areal.rollout.trajectory import Trajectory
@@ -178,11 +178,29 @@ class RolloutLoop:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             for slot in await self.pool.probe_down():
-                if self._running.is_set():  # it may have missed a continue while it was down
-                    try:
-                        await slot.client.resume()
-                    except Exception as e:  # noqa: BLE001 - it failed again; the next request finds out
-                        log.warning("%s: resume after recovery failed: %s", slot.url, e)
+                if await self._holds_current_weights(slot):
+                    self.pool.mark_up(slot)
+                    if self._running.is_set():  # it may have missed a continue while it was down
+                        try:
+                            await slot.client.resume()
+                        except ServerError as e:
+                            self.pool.mark_down(slot, f"continue after recovery failed: {e}")
+
+    async def _holds_current_weights(self, slot: ServerSlot) -> bool:
+        """A server that comes back (say, restarted) must not serve an old policy unnoticed: it
+        rejoins only once it reports the current version (after the next weight sync)."""
+        try:
+            label = await slot.client.weight_version()
+        except ServerError as e:
+            slot.last_error = str(e)
+            return False
+        if self._parse_version(label) == self.version:
+            return True
+        reason = f"answers again but holds weights version {label!r}, current is {self.version}"
+        if slot.last_error != reason:
+            log.warning("rollout server %s %s: kept out until it is updated", slot.url, reason)
+            slot.last_error = reason
+        return False
 
     # ----- trainer-facing operations (called through the controller thread bridge)
 

@@ -3,7 +3,7 @@
 Load is the number of our own requests in flight on a server, counted here rather than polled
 from ``/v1/loads``: every request passes through this pool, so the count is exact and costs no
 round trip. A server that fails a request is marked down at once (one log line naming it) and
-gets no new work until a health probe succeeds again.
+gets no new work until it answers a health probe again with the current weights.
 """
 from __future__ import annotations
 
@@ -102,13 +102,11 @@ class ServerPool:
             self._notify()
 
     async def probe_down(self) -> list[ServerSlot]:
-        """Health-check the servers marked down; revive and return those that answer."""
+        """Health-check the servers marked down; return those that answer (still marked down: the
+        caller decides whether they may serve again)."""
         down = [s for s in self.slots if not s.healthy]
         results = await asyncio.gather(*(s.client.health() for s in down))
-        revived = [slot for slot, ok in zip(down, results) if ok]
-        for slot in revived:
-            self.mark_up(slot)
-        return revived
+        return [slot for slot, ok in zip(down, results) if ok]
 
     def _notify(self) -> None:
         self._changed.notify()
