@@ -187,3 +187,14 @@ def test_calibration_recovers_known_overhead(tmp_path):
     assert cal.step_time_error < 0.1
     with pytest.raises(ValueError, match="no TensorBoard event files"):
         read_scalars(tmp_path / "empty")
+
+
+def test_cli_calibrate(tmp_path, capsys):
+    truth = from_config(small("staleness.eta=2", "sim.decode_step_overhead_s=0.003"))
+    _write_events(tmp_path / "run", simulate(truth))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("staleness:\n  eta: 2\n")
+    assert simulate_main([str(cfg), *SMALL, "--calibrate", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "decode_step_overhead_s = 0.00" in out and "step time: measured" in out
+    assert simulate_main([str(cfg), *SMALL, "--calibrate", str(tmp_path / "nothing")]) == 2

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megatron_areal.config import ConfigError, load_config
 from megatron_areal.sim import report
+from megatron_areal.sim.calibrate import CalibrationError
 from megatron_areal.sim.engine import DeadlockError, simulate
 from megatron_areal.sim.scenario import ScenarioError, from_config
 
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
             _calibrate(cfg, args.calibrate)
             return 0
         async_r, sync_r = _predict(cfg)
-    except (ConfigError, ScenarioError, DeadlockError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ScenarioError, CalibrationError, DeadlockError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}")
         return 2
     print(report.describe(async_r))
