@@ -86,17 +86,23 @@ class FakeServer:
                 "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(out)}
         return web.json_response({"output_ids": out, "meta_info": meta})
 
-    async def pause(self, request: web.Request) -> web.Response:
+    async def do_pause(self) -> None:
         self.paused = True
         self._resumed.clear()
         self._abort_epoch += 1
         while self.active:  # abort mode returns once the running requests have drained
             await asyncio.sleep(0.001)
+
+    async def do_resume(self) -> None:
+        self.paused = False
+        self._resumed.set()
+
+    async def pause(self, request: web.Request) -> web.Response:
+        await self.do_pause()
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
-        self.paused = False
-        self._resumed.set()
+        await self.do_resume()
         return web.json_response({"message": "ok", "status": "ok"})
 
     async def abort(self, request: web.Request) -> web.Response:
@@ -157,6 +163,14 @@ class FakeFleet:
         """The weight update itself (done while the fleet is paused)."""
         for s in self.servers:
             s.version = version
+
+    def update_behind_controllers_back(self, version: int) -> None:
+        """A weight mover that pauses, updates and continues the servers on its own."""
+        for s in self.servers:
+            self.run(s.do_pause())
+        self.set_version(version)
+        for s in self.servers:
+            self.run(s.do_resume())
 
     def close(self) -> None:
         for s in self.servers:

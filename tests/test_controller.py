@@ -25,10 +25,21 @@ def make_controller(fleet: FakeFleet, prompts: ListPrompts, *, eta: int, **kw) -
                              encode, decode, ParityScorer())
 
 
-def weight_update(ctl: RolloutController, fleet: FakeFleet, version: int) -> None:
-    ctl.pause_generation()
-    fleet.set_version(version)
-    ctl.resume_generation(version)
+def weight_update(ctl: RolloutController, fleet: FakeFleet, version: int, how: str = "controller") -> None:
+    """``controller``: the controller pauses and continues the servers around the update;
+    ``held``: the weight mover does, the controller only holds its own work meanwhile;
+    ``unannounced``: the weight mover does, the controller only learns the new version after."""
+    if how == "controller":
+        ctl.pause_generation()
+        fleet.set_version(version)
+        ctl.resume_generation(version)
+    elif how == "held":
+        ctl.pause_generation(pause_servers=False)
+        fleet.update_behind_controllers_back(version)
+        ctl.resume_generation(version, resume_servers=False)
+    else:
+        fleet.update_behind_controllers_back(version)
+        ctl.set_version(version)
 
 
 def check_tokens(t: Trajectory) -> None:
@@ -55,7 +66,7 @@ def test_staleness_bound_capacity_rule_and_versions(fleet3):
     rng = random.Random(0)
     trained, interrupted = [], []
     with ctl:
-        for step in range(8):
+        for step in range(9):
             got = ctl.get_batch(timeout=60)
             assert len(got) == batch * 3
             for t in got:
@@ -65,7 +76,7 @@ def test_staleness_bound_capacity_rule_and_versions(fleet3):
             trained += got
             interrupted += [t for t in got if len(set(t.output_versions)) > 1]
             time.sleep(rng.uniform(0, 0.05))  # training
-            weight_update(ctl, fleet3, step + 1)
+            weight_update(ctl, fleet3, step + 1, how=("controller", "held", "unannounced")[step % 3])
         metrics = ctl.metrics()
         submitted = ctl.gate.counts().submitted
     assert submissions and all(cap >= 1 for _, cap in submissions)

@@ -112,11 +112,15 @@ class RolloutController:
         ``eta`` versions old. Blocks; raises ``RolloutError`` saying what is missing on timeout."""
         return self._call(self._core.take_batch(timeout), timeout + CONTROL_TIMEOUT_S)
 
-    def pause_generation(self) -> None:
-        self._call(self._core.pause(), CONTROL_TIMEOUT_S)
+    def pause_generation(self, pause_servers: bool = True) -> None:
+        """Hold new groups and the re-posting of interrupted samples; with ``pause_servers`` also
+        pause every server (abort mode: in-flight requests return with the tokens they have).
+        Pass False when the weight mover pauses the servers itself."""
+        self._call(self._core.pause(pause_servers), CONTROL_TIMEOUT_S)
 
-    def resume_generation(self, new_version: int) -> None:
-        self._call(self._core.resume(new_version), CONTROL_TIMEOUT_S)
+    def resume_generation(self, new_version: int, resume_servers: bool = True) -> None:
+        """Publish ``new_version`` (the servers already hold it) and continue generating."""
+        self._call(self._core.resume(new_version, resume_servers), CONTROL_TIMEOUT_S)
 
     def set_version(self, version: int) -> None:
         self._run_sync(lambda: self._core.set_version(version))

@@ -238,21 +238,24 @@ class RolloutLoop:
                 f"servers down {len(down)}/{len(self.pool.slots)}"
                 + (f" ({', '.join(down)})" if down else ""))
 
-    async def pause(self) -> None:
+    async def pause(self, pause_servers: bool = True) -> None:
         self._running.clear()
+        if not pause_servers:  # the weight mover pauses them itself
+            return
         slots = self.pool.healthy()
         results = await asyncio.gather(*(s.client.pause() for s in slots), return_exceptions=True)
         for slot, r in zip(slots, results):
             if isinstance(r, Exception):
                 self.pool.mark_down(slot, f"pause failed: {r}")
 
-    async def resume(self, version: int) -> None:
+    async def resume(self, version: int, resume_servers: bool = True) -> None:
         self.set_version(version)
-        slots = self.pool.healthy()
-        results = await asyncio.gather(*(s.client.resume() for s in slots), return_exceptions=True)
-        for slot, r in zip(slots, results):
-            if isinstance(r, Exception):
-                self.pool.mark_down(slot, f"continue failed: {r}")
+        if resume_servers:
+            slots = self.pool.healthy()
+            results = await asyncio.gather(*(s.client.resume() for s in slots), return_exceptions=True)
+            for slot, r in zip(slots, results):
+                if isinstance(r, Exception):
+                    self.pool.mark_down(slot, f"continue failed: {r}")
         self._running.set()
         self._changed.notify()
 
