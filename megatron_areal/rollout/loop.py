@@ -7,7 +7,9 @@ gate learns the outcome (accept / reject / drop), which may open capacity again.
 
 Weight updates: ``pause`` stops new segments and pauses every server, which returns in-flight
 requests with what they have; ``resume(v)`` publishes version ``v`` and lets the interrupted
-samples continue under the new weights.
+samples continue under the new weights. When the weight mover pauses the servers itself, the
+loop still works without being told: aborted segments are re-posted at once, the servers hold
+them until they continue, and the versions come from the servers' answers either way.
 """
 from __future__ import annotations
 
