@@ -122,7 +122,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     arch = load_arch(hf_dir)
     actor = Actor(arch, cfg.model, cfg.parallel, cfg.optimizer, cfg.ppo, groups, seed=cfg.train.seed,
                   total_steps=cfg.train.steps)
-    load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp)
+    load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
     if cfg.ppo.kl_coef > 0:
         actor.set_reference()
 
