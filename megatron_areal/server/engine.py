@@ -17,7 +17,7 @@ import torch
 from megatron_areal.convert.arch import ModelArch, load_arch
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.kv_cache import KVCache
-from megatron_areal.server.model import CausalLM, ForwardBatch
+from megatron_areal.server.model import CausalLM, ForwardBatch, rope_inv_freq
 from megatron_areal.server.sampler import SamplingParams, sample
 from megatron_areal.server.scheduler import Request, Scheduler
 from megatron_areal.server.weights import WeightError, checksums, load_weights, parse_dtype, read_safetensors
@@ -50,6 +50,7 @@ class Engine:
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.max_len = opts.context_length or min(self.arch.max_position_embeddings, 2048)
         self.model = CausalLM(self.arch).to(dtype=self.dtype)
+        self.model.inv_freq = rope_inv_freq(self.arch)  # rotary frequencies stay fp32 under bf16 weights
         load_weights(self.model, read_safetensors(model_path), complete=True)
         self.model.to(self.device).eval()
         self.cache = KVCache(self.arch, opts.max_running, self.max_len, self.dtype, self.device)
@@ -60,8 +61,8 @@ class Engine:
         self.paused = False
         self.groups: dict[str, WeightUpdateGroup] = {}
         self._seeds = random.Random(opts.seed)
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # held by a model step and by control operations
+        self._work = threading.Event()  # set when the runner may have something to do
         self._inbox: list[Request] = []
         self._inbox_lock = threading.Lock()
         self._queued = 0  # inbox + waiting, checked against max_queue without the engine lock
@@ -76,9 +77,9 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._wake:
+        with self._lock:
             self._stopping = True
-            self._wake.notify_all()
+        self._work.set()
         self._thread.join(timeout=30)
         self._finish_all(self.scheduler.take(lambda r: True) + self._drain_inbox(), "server shutting down")
 
@@ -100,8 +101,7 @@ class Engine:
                 reqs.append(Request(rid=rid, prompt_ids=ids, params=params, generator=gen, on_finish=on_finish))
             self._inbox.extend(reqs)
             self._queued += len(reqs)
-        with self._wake:
-            self._wake.notify_all()
+        self._work.set()  # never takes the engine lock: the event loop must not wait for a step
         return reqs
 
     def load(self) -> tuple[int, int]:
@@ -116,12 +116,16 @@ class Engine:
     # ---- the model runner loop -----------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._wake:
-                while not self._stopping and (self.paused or not (self.scheduler.has_work() or self._inbox)):
-                    self._wake.wait()
+            self._work.wait()
+            with self._lock:
                 if self._stopping:
                     return
                 self.scheduler.waiting.extend(self._drain_inbox())
+                if self.paused or not self.scheduler.has_work():
+                    self._work.clear()
+                    if self._inbox:  # submitted between the drain and the clear: don't sleep on it
+                        self._work.set()
+                    continue
                 try:
                     self._step()
                 except Exception as e:  # a failed step must not kill the server silently
@@ -167,7 +171,7 @@ class Engine:
 
     # ---- control (called from worker threads) -------------------------------------------
     def pause(self, mode: str) -> None:
-        with self._wake:
+        with self._lock:
             self.paused = True
             self.scheduler.waiting.extend(self._drain_inbox())
             if mode == "abort":
@@ -178,12 +182,12 @@ class Engine:
                 self._retract()
 
     def resume(self) -> None:
-        with self._wake:
+        with self._lock:
             self.paused = False
-            self._wake.notify_all()
+        self._work.set()
 
     def abort(self, rid: str | None) -> int:
-        with self._wake:
+        with self._lock:
             self.scheduler.waiting.extend(self._drain_inbox())
             taken = self.scheduler.take(lambda r: rid is None or r.matches(rid))
             self._set_queued(len(self.scheduler.waiting))
@@ -196,7 +200,7 @@ class Engine:
         There is no cross-request prefix cache, so there is nothing to free beyond the slots,
         which belong to running requests.
         """
-        with self._wake:
+        with self._lock:
             return not self.scheduler.running and (self.paused or not (self.scheduler.waiting or self._inbox))
 
     def _retract(self) -> None:
@@ -254,14 +258,14 @@ class Engine:
         self._install(tensors, version, complete=False)
 
     def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool) -> None:
-        with self._wake:
+        with self._lock:
             load_weights(self.model, tensors, complete=complete)
             if version is not None:
                 self.weight_version = str(version)
             # The KV of running requests was computed with the old weights: drop it; they are
             # prefilled again from prompt + tokens so far, under the new weights.
             self._retract()
-            self._wake.notify_all()
+        self._work.set()
         log.info("weights updated (%d tensors), version %s", len(tensors), self.weight_version)
 
 
