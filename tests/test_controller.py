@@ -129,6 +129,23 @@ def test_synchronous_mode_generates_nothing_while_training(fleet3):
             weight_update(ctl, fleet3, step + 1)
 
 
+def test_asynchronous_mode_keeps_generators_busier_than_synchronous(fleet3):
+    idle = {}
+    for eta in (0, 4):
+        ctl = make_controller(fleet3, ListPrompts(10_000), eta=eta)
+        with ctl:
+            ctl.get_batch(timeout=60)
+            ctl.metrics()  # start the measurement window after the first batch
+            for step in range(1, 5):
+                time.sleep(0.1)  # training
+                weight_update(ctl, fleet3, step)
+                ctl.get_batch(timeout=60)
+            idle[eta] = ctl.metrics()["perf/generator_idle_fraction"]
+        fleet3.set_version(0)
+    assert 0 <= idle[4] < idle[0] <= 1
+    assert idle[0] > 0.2  # synchronous: idle through every training step and every batch's tail
+
+
 def test_routing_prefers_least_loaded_server():
     slow = FakeServer(seed=1, token_delay=(0.02, 0.02), stop_prob=0.0)
     fast = FakeServer(seed=2, token_delay=(0.001, 0.001), stop_prob=0.0)
