@@ -83,13 +83,13 @@ def test_staleness_bound_capacity_rule_and_versions(fleet3):
     for c, _ in submissions:  # the counts just after each submission still satisfy the rule
         assert c.running <= 12
         assert c.accepted + c.running <= (eta + c.version + 1) * batch
-    # The servers saw exactly the groups the gate counted, no more.
+    # The servers saw no group the gate did not count.
     first_segments = {r["rid"].rsplit("-", 1)[0] for s in fleet3.servers for r in s.requests}
     assert len(first_segments) <= submitted
     # Samples cut by an update hold old-version tokens, then new ones.
     assert interrupted, "no sample crossed a weight update; the test lost its point"
     assert all(t.interruptions >= 1 for t in interrupted)
-    assert metrics["rollout/interrupted_fraction"] >= 0 and metrics["rollout/staleness_max"] <= eta
+    assert metrics["rollout/staleness_max"] <= eta
     assert {"rollout/reward_mean", "rollout/dropped_stale", "rollout/filtered_groups",
             "perf/gen_tokens_per_s", "perf/generator_idle_fraction"} <= set(metrics)
     assert metrics["perf/gen_tokens_per_s"] > 0
