@@ -16,7 +16,7 @@ class RolloutConfig:
     top_k: int = -1
     max_concurrent: int = 64  # in-flight groups across all servers
     filter_equal_rewards: bool = True  # drop groups whose rewards are all equal (no signal)
-    request_timeout_s: float = 600.0  # one /generate segment; a server that exceeds it is marked down
+    request_timeout_s: float = 3600.0  # one /generate segment; past it the server is marked down
     health_interval_s: float = 5.0  # how often servers marked down are probed for recovery
 
     def validate(self) -> None:
