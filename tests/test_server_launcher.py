@@ -46,3 +46,16 @@ def test_timeout_names_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(LaunchError, match=f"{url} not healthy after 1s"):
         wait_healthy(url, timeout_s=1, poll_s=0.2)
+
+
+def test_config_flags_are_accepted_by_the_server_cli(tiny_llama) -> None:
+    from megatron_areal.configbase import ConfigError, from_dict
+    from megatron_areal.server.cli import parse_args
+    from megatron_areal.server.config import ServerConfig, embedded_args
+
+    cfg = from_dict(ServerConfig, {"api_key": "k", "context_length": 512, "max_running": 3, "dtype": "bfloat16"})
+    args = parse_args(["--model", str(tiny_llama), *embedded_args(cfg, weight_version="4")])
+    assert (args.api_key, args.context_length, args.max_running, args.dtype, args.weight_version) == \
+        ("k", 512, 3, "bfloat16", "4")
+    with pytest.raises(ConfigError, match="tp: the embedded server runs tp=1 only"):
+        from_dict(ServerConfig, {"tp": 2})
