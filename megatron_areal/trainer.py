@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.config import Config
+from megatron_areal.ledger import TrainedLedger
 from megatron_areal.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class RolloutSide:
     tokenizer: Any
     eval_prompts: list
     metrics: Any
+    ledger: TrainedLedger
 
     def close(self) -> None:
         self.controller.stop()
@@ -73,7 +75,8 @@ def _rollout_side(cfg: Config, hf_dir: Path, server_urls: list[str], version: in
         controller.load_state_dict(rollout_state)
     metrics = MetricsWriter(cfg.train.run_dir, total_steps=cfg.train.steps, start_step=start_step,
                             tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
-    return RolloutSide(controller, rewards, tokenizer, eval_prompts, metrics)
+    ledger = TrainedLedger(Path(cfg.train.run_dir) / "trained.jsonl", resume_step=start_step)
+    return RolloutSide(controller, rewards, tokenizer, eval_prompts, metrics, ledger)
 
 
 def _evaluate(side: RolloutSide, cfg: Config, server_urls: list[str], step: int, label: str) -> float | None:
@@ -154,6 +157,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
             version, step = version + 1, step + 1
             if rank0:
                 side.controller.set_version(version)
+                side.ledger.record(step, version, batch)
                 side.metrics.advance(step, _step_metrics(stats, side.controller.metrics(), t1 - t0, t2 - t1, sync,
                                                          time.monotonic() - t0))
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
