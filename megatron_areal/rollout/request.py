@@ -21,8 +21,10 @@ from megatron_areal.rollout.routing import ServerPool
 log = logging.getLogger(__name__)
 
 # Aborts that return no new token while generation is not paused mean the server refuses the
-# request in a loop; past this many in a row the sample fails instead of spinning.
-MAX_FRUITLESS_ABORTS = 50
+# request in a loop; past this many in a row the sample fails instead of spinning. A weight mover
+# that pauses the servers behind our back also returns queued requests empty, once per update,
+# so the bound is far above any plausible number of updates a request waits through.
+MAX_FRUITLESS_ABORTS = 1000
 
 
 class SampleError(RuntimeError):
