@@ -272,19 +272,24 @@ def test_distributed_update_over_gloo(server, models) -> None:
     new = read_safetensors(models[1])
     names = sorted(new)
 
-    def push(tensors: dict[str, torch.Tensor], shapes: list[list[int]], flat: bool, version: str):
+    def post(ex: ThreadPoolExecutor, tensors: dict[str, torch.Tensor], shapes: list[list[int]], flat: bool,
+             version: str):
+        """Announce a bucket and broadcast it, as the trainer does; the reply is awaited later."""
         meta = {"names": list(tensors), "dtypes": ["float32"] * len(tensors), "shapes": shapes,
                 "group_name": "wug", "weight_version": version}
         if flat:
             meta["load_format"] = "flattened_bucket"
+        reply = ex.submit(call, server.url, "/update_weights_from_distributed", meta)
+        if flat:
+            group.broadcast(torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]))
+        else:
+            for t in tensors.values():
+                group.broadcast(t.clone())
+        return reply
+
+    def push(tensors: dict[str, torch.Tensor], shapes: list[list[int]], flat: bool, version: str):
         with ThreadPoolExecutor(1) as ex:
-            reply = ex.submit(call, server.url, "/update_weights_from_distributed", meta)
-            if flat:
-                group.broadcast(torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]))
-            else:
-                for t in tensors.values():
-                    group.broadcast(t.clone())
-            return reply.result(timeout=60)
+            return post(ex, tensors, shapes, flat, version).result(timeout=60)
 
     before = _checksums(server.url)
     bad = {names[0]: torch.zeros(3, 3)}
@@ -295,8 +300,10 @@ def test_distributed_update_over_gloo(server, models) -> None:
     half = len(names) // 2
     first = {n: new[n] for n in names[:half]}
     second = {n: new[n] for n in names[half:]}
-    assert push(first, [list(t.shape) for t in first.values()], False, "v1")[0] == 200
-    assert push(second, [list(t.shape) for t in second.values()], True, "v1")[0] == 200
+    with ThreadPoolExecutor(2) as ex:  # pipelined: bucket 2 is announced before bucket 1 is installed
+        replies = [post(ex, first, [list(t.shape) for t in first.values()], False, "v1"),
+                   post(ex, second, [list(t.shape) for t in second.values()], True, "v1")]
+        assert [r.result(timeout=60)[0] for r in replies] == [200, 200]
     assert _checksums(server.url) == {n: tensor_checksum(new[n]) for n in names}
     assert call(server.url, "/get_weight_version")[1]["weight_version"] == "v1"
     assert call(server.url, "/destroy_weights_update_group", {"group_name": "wug"})[0] == 200

@@ -61,6 +61,9 @@ class Api:
         self.running = asyncio.Event()
         self.running.set()
         self.in_flight: set[str] = set()
+        # Collectives on one group must run in the trainer's order: buckets are received one at a
+        # time, in arrival order (asyncio.Lock is FIFO), never from two threads at once.
+        self.update_lock = asyncio.Lock()
 
     def app(self, max_body_bytes: int) -> web.Application:
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
@@ -242,10 +245,11 @@ class Api:
         version = _field(b, "weight_version", (str, int), None)
         if _field(b, "abort_all_requests", bool, False):
             await asyncio.to_thread(self.engine.abort, None)
-        await asyncio.to_thread(
-            self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
-            group_name=_field(b, "group_name", str, "weight_update_group"),
-            version=None if version is None else str(version), flattened=load_format == "flattened_bucket")
+        async with self.update_lock:
+            await asyncio.to_thread(
+                self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
+                group_name=_field(b, "group_name", str, "weight_update_group"),
+                version=None if version is None else str(version), flattened=load_format == "flattened_bucket")
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
 
     async def update_disk(self, request: web.Request) -> web.Response:
