@@ -153,10 +153,12 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
             t1 = time.monotonic()
             stats = actor.ppo_update(batch, cfg.rollout.temperature)
             t2 = time.monotonic()
+            if rank0:  # hold new groups and re-posts; the weight mover pauses the servers itself
+                side.controller.pause_generation(pause_servers=False)
             sync = weights.sync(version + 1)
             version, step = version + 1, step + 1
             if rank0:
-                side.controller.set_version(version)
+                side.controller.resume_generation(version, resume_servers=False)
                 side.ledger.record(step, version, batch)
                 side.metrics.advance(step, _step_metrics(stats, side.controller.metrics(), t1 - t0, t2 - t1, sync,
                                                          time.monotonic() - t0))
