@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from megatron_areal.config import Config, ConfigError, load_config
@@ -81,7 +82,10 @@ def main(argv: list[str]) -> int:
         Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
         return run_local(cfg, args.config, overrides, model_dir)
     except ConfigError as e:
-        print(f"checks: 1 FAILED\n  FAILED: config: {e}" if args.dry_run else f"config error: {e}")
+        if args.dry_run:  # the dry run's report goes to stdout, failed checks included
+            print(f"checks: 1 FAILED\n  FAILED: config: {e}")
+        else:
+            print(f"config error: {e}", file=sys.stderr)
         return 2
     except (LaunchError, FileNotFoundError) as e:
         logger.error("%s", e)
