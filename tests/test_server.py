@@ -334,3 +334,31 @@ def test_concurrent_generation_survives_weight_update(server, models) -> None:
         assert status == 200 and len(res["output_ids"]) == 600
         spans = res["meta_info"]["weight_versions"]
         assert spans[-1]["version"] == "v1" and spans[-1]["end"] == 600
+
+
+def test_retract_pause_resumes_same_request_under_new_weights(server, models) -> None:
+    """mode=retract: the request keeps its connection, is re-prefilled after the update and finishes."""
+    load(server.url, models[0], "v0")
+    prompt, n = PROMPTS[1], 1500
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(call, server.url, "/generate", body)
+        _wait_running(server.url)
+        assert call(server.url, "/pause_generation", {"mode": "retract"})[0] == 200
+        time.sleep(0.2)
+        assert not pending.done()
+        load(server.url, models[1], "v1")
+        assert call(server.url, "/continue_generation", {})[0] == 200
+        status, res = pending.result(timeout=120)
+    assert status == 200 and len(res["output_ids"]) == n
+    spans = res["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["v0", "v1"] and spans[1]["end"] == n
+    switch = spans[1]["start"]
+    hf_a, hf_b = hf_model(models[0]), hf_model(models[1])
+    full = prompt + res["output_ids"]
+    got = [e[0] for e in res["meta_info"]["output_token_logprobs"]]
+    head = teacher_forced(hf_a, full[: len(prompt) + switch], switch)
+    tail = teacher_forced(hf_b, full[: len(prompt) + switch + 30], 30)  # the first tokens under v1
+    assert max(abs(a - b) for a, b in zip(got[:switch], head, strict=True)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(got[switch:switch + 30], tail, strict=True)) <= 1e-4

@@ -146,3 +146,26 @@ def test_stop_rules_and_context_limit(tiny_llama, engine_for) -> None:
     eos_run = run(engine, [("e", [1, 2, 3, 4], SamplingParams(max_new_tokens=12, temperature=0))])["e"]
     expected = next((i for i, t in enumerate(res.output_ids) if t in engine.scheduler.eos_ids), None)
     assert eos_run.output_ids == res.output_ids[: (expected + 1) if expected is not None else 12]
+
+
+@pytest.mark.slow
+def test_smollm2_text_prompt_matches_transformers(smollm2, engine_for) -> None:
+    """A real model and tokenizer: greedy tokens and logprobs equal transformers' (fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_areal.server.tokenizer import load_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = load_tokenizer(smollm2).encode(text)
+    assert ids == tok.encode(text)
+    engine = engine_for(smollm2, max_running=2, context_length=128)
+    res = run(engine, [("q", ids, SamplingParams(max_new_tokens=12, temperature=0))])["q"]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    assert res.output_ids == ref
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([res.all_ids])).logits[0].float(), -1)
+    ref_lp = [lp[len(ids) - 1 + k, t].item() for k, t in enumerate(res.output_ids)]
+    assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref_lp, strict=True)) <= 1e-4
