@@ -362,3 +362,13 @@ def test_retract_pause_resumes_same_request_under_new_weights(server, models) ->
     tail = teacher_forced(hf_b, full[: len(prompt) + switch + 30], 30)  # the first tokens under v1
     assert max(abs(a - b) for a, b in zip(got[:switch], head, strict=True)) <= 1e-4
     assert max(abs(a - b) for a, b in zip(got[switch:switch + 30], tail, strict=True)) <= 1e-4
+
+
+def test_client_disconnect_aborts_its_request(server) -> None:
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    with pytest.raises(TimeoutError):
+        call(server.url, "/generate", body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while call(server.url, "/v1/loads")[1]["loads"][0]["num_running_reqs"]:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.1)

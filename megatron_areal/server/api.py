@@ -129,12 +129,26 @@ class Api:
             return _error(503, str(err))
         self.in_flight.update(rids)
         try:
-            done = [await f for f in futures.values()]
+            await self._wait_or_abort(request, list(futures.values()), rids)
         finally:
             self.in_flight.difference_update(rids)
+        done = [f.result() for f in futures.values()]
         out = [response(r, return_logprob=parsed.return_logprob, weight_version=e.weight_version,
                         tokenizer=self.tokenizer) for r in done]
         return web.json_response(out[0] if parsed.single else out)
+
+    async def _wait_or_abort(self, request: web.Request, futures: list[asyncio.Future[Request]],
+                             rids: list[str]) -> None:
+        """Wait for the outputs; if the client goes away meanwhile, abort its requests (as SGLang does)."""
+        pending = set(futures)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            transport = request.transport
+            if pending and (transport is None or transport.is_closing()):
+                log.info("client of %s disconnected: aborting", rids[0])
+                for rid in rids:
+                    await asyncio.to_thread(self.engine.abort, rid)
+                await asyncio.wait(pending)
 
     async def health(self, request: web.Request) -> web.Response:
         alive = self.engine.alive
