@@ -94,7 +94,8 @@ def test_top_k_top_p_stay_in_support() -> None:
         assert tokens[2] == logits[2].argmax() and tokens[3] == logits[3].argmax()
         # Logprobs come from the temperature-scaled, untruncated distribution (T=1 when greedy).
         assert torch.isclose(logprobs[0], torch.log_softmax(logits[0], -1)[tokens[0]])
-        assert torch.isclose(logprobs[2], torch.log_softmax(logits[2], -1)[tokens[2]])
+        assert torch.isclose(logprobs[2], torch.log_softmax(logits[2] / 2.0, -1)[tokens[2]])
+        assert torch.isclose(logprobs[3], torch.log_softmax(logits[3], -1)[tokens[3]])
 
 
 def test_short_request_overtakes_long_one(tiny_llama, engine_for) -> None:

@@ -73,9 +73,11 @@ async def serve(args: argparse.Namespace) -> None:
     await site.start()
     port = _bound_port(runner, args.port)
     engine.start()
-    url = f"http://{args.host}:{port}"
+    # A wildcard bind is reachable through this host's name, which is what a trainer needs.
+    advertised = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
+    url = f"http://{advertised}:{port}"
     log.info("serving %s at %s", args.model, url)
-    print(f"READY {url}", flush=True)  # a parent process reads this line to learn the port
+    print(f"READY {url}", flush=True)  # the port actually bound, for --port 0
     registration = None
     if args.register_dir:
         server_id = args.server_id or f"{socket.gethostname()}-{port}"

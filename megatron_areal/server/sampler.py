@@ -1,7 +1,7 @@
 """Token sampling for a batch of rows, each with its own parameters and random stream.
 
 The returned logprob is SGLang's default: ``log_softmax(logits / T)`` at the chosen token, with
-temperature applied and top-p/top-k truncation not; greedy rows use T = 1. Each request draws
+temperature applied and top-p/top-k truncation not; temperature 0 (greedy) rows use T = 1. Each request draws
 from its own seeded generator, so its tokens do not depend on which other requests share the
 batch.
 """
@@ -32,7 +32,8 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32 -> (token ids [B], logprobs [B])."""
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+    # temperature 0 is greedy and scored at T=1; top_k=1 is greedy too but keeps its temperature.
+    temps = torch.tensor([1.0 if p.temperature <= 0 else p.temperature for p in params], device=logits.device)
     logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = logits.argmax(dim=-1)
