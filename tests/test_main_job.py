@@ -1,0 +1,147 @@
+"""The main job end to end: ``megatron-areal train`` on a tiny random Llama, a few steps.
+
+One real run (an embedded rollout server and a trainer, started by the local launcher) is shared
+by the checks below: every TensorBoard tag the run promises is written, the trained groups obey
+the staleness bound, the configured number of steps was trained and checkpointed, and the
+launcher leaves nothing running. A config typo is refused before any process starts.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+STEPS = 3
+ETA = 2
+BATCH = 2  # groups (prompts) per step
+GROUP = 4  # samples per prompt
+RUN_TIMEOUT_S = 600  # generous: CI's two cores are shared by other tests' processes
+
+REQUIRED_TAGS = (
+    "rollout/reward_mean", "rollout/staleness_mean", "rollout/staleness_max", "rollout/interrupted_fraction",
+    "rollout/dropped_stale", "train/loss", "train/clip_fraction", "train/importance_weight_mean",
+    "train/grad_norm", "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s",
+    "perf/trainer_idle_fraction", "perf/generator_idle_fraction", "eval/accuracy",
+)
+FRACTION_TAGS = ("rollout/interrupted_fraction", "train/clip_fraction", "perf/trainer_idle_fraction",
+                 "perf/generator_idle_fraction", "eval/accuracy")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def tiny_config(run_dir: Path) -> dict:
+    return {
+        "train": {"run_dir": str(run_dir), "steps": STEPS, "eval_every": 0, "seed": 3},
+        "model": {"path": "tiny-llama", "max_seq_len": 256},
+        "optimizer": {"distributed": False},
+        "rollout": {"batch_size": BATCH, "group_size": GROUP, "max_new_tokens": 16, "max_concurrent": 8,
+                    "temperature": 1.0,
+                    "filter_equal_rewards": False},  # a random model earns no reward; keep every group
+        "staleness": {"eta": ETA},
+        "server": {"count": 1, "max_running": 16, "base_port": free_port()},
+        "cluster": {"master_port": free_port(), "stop_grace_s": 5},
+        "data": {"train": "arithmetic", "train_size": 256, "eval": "arithmetic-eval", "eval_size": 8},
+        "reward": {"workers": 1},
+        "checkpoint": {"every": 2, "keep": 1},
+        "logging": {"progress": False},
+    }
+
+
+def train(config: Path, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "megatron_areal.cli", "train", str(config), *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, subprocess.CompletedProcess]:
+    root = tmp_path_factory.mktemp("main_job")
+    cfg = tiny_config(root / "run")
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = train(path)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((root / "run/logs").glob("*.log")))
+    assert result.returncode == 0, f"train failed ({result.returncode}):\n{result.stderr[-3000:]}\n{logs}"
+    return cfg, root / "run", result
+
+
+@pytest.mark.slow
+def test_every_tensorboard_tag_is_written(run: tuple) -> None:
+    _, run_dir, _ = run
+    scalars = read_scalars(run_dir / "tensorboard")
+    missing = [t for t in REQUIRED_TAGS if t not in scalars]
+    assert not missing, f"tags missing from {run_dir / 'tensorboard'}: {missing}; written: {sorted(scalars)}"
+
+    # Per-step tags carry one value per trained step; held-out accuracy is measured before and after.
+    for tag in REQUIRED_TAGS:
+        if tag != "eval/accuracy":
+            assert [s for s, _ in scalars[tag]] == list(range(1, STEPS + 1)), tag
+    assert [s for s, _ in scalars["eval/accuracy"]] == [0, STEPS]
+    for tag in FRACTION_TAGS:
+        assert all(0.0 <= v <= 1.0 for _, v in scalars[tag]), (tag, scalars[tag])
+    for tag in ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s"):
+        assert all(v > 0 for _, v in scalars[tag]), (tag, scalars[tag])
+    assert all(0 <= v <= ETA for _, v in scalars["rollout/staleness_max"])
+    means, maxes = dict(scalars["rollout/staleness_mean"]), dict(scalars["rollout/staleness_max"])
+    assert all(means[s] <= maxes[s] for s in means)
+    assert all(v == 0 for _, v in scalars["rollout/dropped_stale"])  # the gate never over-submits
+
+
+@pytest.mark.slow
+def test_ledger_respects_eta_and_counts_steps(run: tuple) -> None:
+    _, run_dir, _ = run
+    ledger = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in ledger] == list(range(1, STEPS + 1))
+    for entry in ledger:
+        assert entry["version"] == entry["step"]
+        assert len(entry["prompts"]) == BATCH and len(entry["staleness"]) == BATCH * GROUP, entry
+        assert all(0 <= s <= ETA for s in entry["staleness"]), f"group older than eta={ETA}: {entry}"
+    trained = [p for e in ledger for p in e["prompts"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice within the first epoch"
+    # The last step is always checkpointed, and only the newest checkpoint is kept (keep: 1).
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [f"step_{STEPS:08d}"]
+
+
+@pytest.mark.slow
+def test_launcher_leaves_nothing_running(run: tuple) -> None:
+    _, run_dir, _ = run
+    plan = json.loads((run_dir / "plan.json").read_text())
+    ports = [s["port"] for s in plan["servers"]]
+    assert ports and all(port_free(p) for p in ports), f"a server still holds its port: {ports}"
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["label"], e["n"]) for e in evals] == [(0, "before", 8), (STEPS, "after", 8)]
+
+
+def test_config_typo_fails_before_anything_starts(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path / "run")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = train(path, "ppo.eps_clp=0.1", timeout=120)
+    assert result.returncode != 0
+    assert "ppo.eps_clp" in result.stderr and "eps_clip" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists(), "the run directory was created although the config is wrong"
