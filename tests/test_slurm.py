@@ -1,12 +1,14 @@
 """slurm/train_tiny.sh on a real two-node Slurm (.ci/slurm_up.sh): a full run, and a cancelled one."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -112,11 +114,13 @@ def test_scancel_midway_leaves_no_process(tmp_path: Path) -> None:
     job = submit(run_dir, "train.steps=1000")
     wait_state(job, {"RUNNING"}, 60)
     deadline = time.monotonic() + 150
-    while not any("trainer_main" in " ".join(p.cmdline()) for p in job_processes(job)):  # training has begun
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().strip()):  # midway: a step has been trained
         assert job_field(job, "JobState") == "RUNNING", logs_of(run_dir)
-        assert time.monotonic() < deadline, "the trainer never started:\n" + logs_of(run_dir)
-        time.sleep(1)
-    assert any("megatron_areal.cli serve" in " ".join(p.cmdline()) for p in job_processes(job))
+        assert time.monotonic() < deadline, "no step trained:\n" + logs_of(run_dir)
+        time.sleep(0.5)
+    running = [" ".join(p.cmdline()) for p in job_processes(job)]
+    assert any("megatron_areal.cli serve" in c for c in running) and any("trainer_main" in c for c in running)
     subprocess.run(["scancel", job], check=True)
     wait_state(job, {"CANCELLED"}, 60)
     deadline = time.monotonic() + 60  # SIGTERM, then SIGKILL after the cluster's KillWait (10 s)
@@ -124,3 +128,26 @@ def test_scancel_midway_leaves_no_process(tmp_path: Path) -> None:
         time.sleep(1)
     assert not left, [p.cmdline() for p in left if p.is_running()]
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_requeued_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    steps = 5
+    job = submit(run_dir, f"train.steps={steps}")
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / "step_00000002").is_dir():  # published atomically once complete
+        assert job_field(job, "JobState") in ("PENDING", "RUNNING"), logs_of(run_dir)
+        assert time.monotonic() < deadline, "no checkpoint of step 2:\n" + logs_of(run_dir)
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "requeue", job], check=True)  # what a node failure or preemption does
+    wait_state(job, {"PENDING"}, 60)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)  # skip requeue hold
+    state = wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 240)
+    assert (state, job_field(job, "ExitCode"), job_field(job, "Restarts")) == ("COMPLETED", "0:0", "1"), \
+        logs_of(run_dir)
+    batch_log = next(run_dir.parent.glob("slurm-*.log")).read_text()
+    assert "attempt 1" in batch_log and "attempt 2" in batch_log
+    trained = Counter(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                      if "train/loss" in json.loads(line))
+    assert set(trained) == set(range(1, steps + 1)), trained
+    assert trained[1] == trained[2] == 1, f"steps before the checkpoint were trained again: {trained}"
