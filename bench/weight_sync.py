@@ -1,0 +1,254 @@
+"""Weight sync from a TP2 x PP2 trainer to two embedded servers, against a raw gloo broadcast.
+
+In one run, between the same processes: each trainer stage head and each server process first
+exchange the weights through ``WeightSync.sync`` (pause, TP gather, HF conversion, buckets over
+``/update_weights_from_distributed``, install, continue), then broadcast the same number of bytes
+in the same bucket-sized pieces over a plain gloo group (``WeightUpdateGroup``) with nothing
+else. The servers run the real embedded server in their main thread and the raw receiver in a
+side thread. Prints seconds per sync, bytes moved, the effective-bandwidth ratio and the stage
+heads' peak extra memory (resident-set high-water mark during a sync) against one bucket.
+
+    python bench/weight_sync.py [--hidden 512 --layers 8 --bucket-mb 16 --repeats 3]
+
+Last line: ``RESULT weight_sync_vs_raw <ratio>`` (raw seconds / sync seconds, medians).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+TP, PP = 2, 2
+_STATE: dict[str, Any] = {}
+
+
+# ---- server processes: the embedded server plus a raw receiver thread ------------------------
+def _raw_receiver(inbox: Any, outbox: Any) -> None:
+    from megatron_areal.realloc.group import WeightUpdateGroup
+
+    groups: dict[str, WeightUpdateGroup] = {}
+
+    def run(kind: str, name: str, args: dict[str, Any]) -> None:
+        if kind == "join":
+            groups[name] = WeightUpdateGroup(group_name=name, backend="gloo", **args)
+        else:  # receive the stage's pieces into one reused buffer, then meet the sender at a barrier
+            buffer = torch.empty(max(args["pieces"]), dtype=torch.uint8)
+            for n in args["pieces"]:
+                groups[name].broadcast(buffer[:n], src=0)
+            groups[name].barrier()
+        outbox.put((kind, name))
+
+    # one thread per job: the stages' groups run concurrently, as the server's update requests do
+    while (job := inbox.get()) is not None:
+        threading.Thread(target=run, args=job, daemon=True).start()
+
+
+def _server_main(model: str, port: int, inbox: Any, outbox: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    from megatron_areal.server import cli
+
+    threading.Thread(target=_raw_receiver, args=(inbox, outbox), daemon=True).start()
+    cli.main(["--model", model, "--port", str(port), "--weight-version", "init"])
+
+
+# ---- trainer ranks (run through the conversion's WorkerPool) ---------------------------------
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _t_setup(model_dir: str, urls: list[str], bucket_mb: float) -> None:
+    from megatron_areal.actor.model import build_model
+    from megatron_areal.actor.parallel import init_parallel
+    from megatron_areal.convert.arch import load_arch
+    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.realloc.config import ReallocConfig
+    from megatron_areal.realloc.sync import WeightSync
+
+    groups = init_parallel(tp=TP, pp=PP, backend="gloo")
+    arch = load_arch(model_dir)
+    chunks = build_model(arch, tp=TP, pp=PP, pp_rank=groups.pp_rank)
+    load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
+    config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=300.0, master_address="127.0.0.1")
+    _STATE.update(groups=groups, sync=WeightSync(chunks, arch, groups, urls, config=config))
+
+
+def _t_sync(version: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    sync = _STATE["sync"]
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the resident-set high-water mark
+    rss = _rss_kb("VmRSS")
+    start = time.perf_counter()
+    result = sync.sync(version)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "bytes": result.bytes_sent, "max_bucket": result.max_bucket_bytes,
+            "parts": (result.gather_seconds, result.broadcast_seconds, result.reply_seconds),
+            "extra_kb": _rss_kb("VmHWM") - rss,
+            "head": sync.is_head, "stage": sync.groups.pp_rank}
+
+
+def _t_record_pieces() -> list[int]:
+    """Bucket sizes this head sends (one more sync, recorded through the progress hook)."""
+    sync, pieces = _STATE["sync"], []
+    sync.on_bucket = lambda i, bucket: pieces.append(bucket.nbytes)
+    sync.sync("pieces")
+    sync.on_bucket = None
+    _STATE["pieces"] = pieces
+    return pieces
+
+
+def _t_raw_join(ports: list[int], world: int) -> None:
+    from megatron_areal.realloc.group import WeightUpdateGroup
+
+    groups = _STATE["groups"]
+    if groups.tp_rank == 0 and groups.dp_rank == 0:
+        _STATE["raw"] = WeightUpdateGroup(master_address="127.0.0.1", master_port=ports[groups.pp_rank], rank=0,
+                                          world_size=world, group_name=f"raw{groups.pp_rank}", timeout_s=300)
+
+
+def _t_raw() -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    raw, pieces = _STATE.get("raw"), _STATE["pieces"]
+    if raw is not None:
+        buffer = torch.ones(max(pieces), dtype=torch.uint8)
+        for n in pieces:
+            raw.broadcast(buffer[:n], src=0)
+        raw.barrier()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _t_close() -> None:
+    from megatron_areal.actor.parallel import teardown_parallel
+
+    _STATE.pop("sync").close()
+    if "raw" in _STATE:
+        _STATE.pop("raw").destroy()
+    teardown_parallel()
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def _wait_healthy(url: str, timeout_s: float = 300.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1.0)
+    raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f}s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--bucket-mb", type=float, default=16.0)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from megatron_areal.assets import make_tiny_model
+    from megatron_areal.convert.spawn import WorkerPool
+    from megatron_areal.server.local import free_port
+
+    root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    model = make_tiny_model(root / "model", "llama", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                            num_layers=args.layers, num_heads=8, num_kv_heads=4)
+    ctx = mp.get_context("spawn")
+    ports = [free_port() for _ in range(2)]
+    links = [(ctx.Queue(), ctx.Queue()) for _ in ports]
+    servers = [ctx.Process(target=_server_main, args=(str(model), port, *q), daemon=True)
+               for port, q in zip(ports, links, strict=True)]
+    for s in servers:
+        s.start()
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    # Trainer ranks only: a fixed mmap threshold returns large blocks to the OS when freed, so the
+    # resident-set high-water mark during a sync measures what the sync itself held at once.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
+    pool = WorkerPool(TP * PP, timeout_s=1800)
+    try:
+        for url in urls:
+            _wait_healthy(url)
+        pool.run(_t_setup, str(model), urls, args.bucket_mb)
+        pool.run(_t_sync, "warmup")  # forms the stage groups
+        pieces = pool.run(_t_record_pieces)
+        raw_ports = [free_port() for _ in range(PP)]
+        world = 1 + len(servers)
+        for stage in range(PP):
+            for i, (inbox, _) in enumerate(links):
+                inbox.put(("join", f"raw{stage}", {"master_address": "127.0.0.1", "master_port": raw_ports[stage],
+                                                   "rank": 1 + i, "world_size": world, "timeout_s": 300}))
+        pool.run(_t_raw_join, raw_ports, world)
+        heads = {r["stage"]: rank for rank, r in enumerate(pool.run(_t_sync, "check")) if r["head"]}
+        _acks(links)
+        syncs, raws = [], []
+        for i in range(args.repeats):
+            results = pool.run(_t_sync, str(i + 1))
+            syncs.append(results)
+            for stage, rank in heads.items():
+                for inbox, _ in links:
+                    inbox.put(("recv", f"raw{stage}", {"pieces": pieces[rank]}))
+            raws.append(max(pool.run(_t_raw)))
+            _acks(links)
+        _report(args, syncs, raws, heads, pieces)
+    finally:
+        try:
+            pool.run(_t_close)
+        finally:
+            pool.close()
+            for (inbox, _), s in zip(links, servers, strict=True):
+                inbox.put(None)
+                s.terminate()
+                s.join(timeout=30)
+
+
+def _acks(links: list[tuple[Any, Any]]) -> None:
+    for _, outbox in links:
+        for _ in range(PP):
+            outbox.get(timeout=300)
+
+
+def _report(args: argparse.Namespace, syncs: list[list[dict[str, Any]]], raws: list[float],
+            heads: dict[int, int], pieces: list[list[int]]) -> None:
+    sync_s = statistics.median(max(r["seconds"] for r in results) for results in syncs)
+    raw_s = statistics.median(raws)
+    first = syncs[0]
+    per_server = first[0]["bytes"]
+    bucket = int(args.bucket_mb * 2**20)
+    print(f"model: llama hidden={args.hidden} layers={args.layers}, trainer TP{TP} PP{PP}, 2 embedded servers, "
+          f"bucket {args.bucket_mb:g} MiB, {args.repeats} repeats (medians)")
+    print(f"bytes per server:        {per_server / 2**20:10.1f} MiB in {sum(len(p) for p in pieces)} buckets "
+          f"({per_server * 2 / 2**20:.1f} MiB sent in all)")
+    print(f"seconds per sync:        {sync_s:10.3f}   ({per_server * 2 / sync_s / 2**20:.1f} MiB/s effective)")
+    parts = [statistics.median(results[0]["parts"][i] for results in syncs) for i in range(3)]
+    print(f"  busiest stage head:    {parts[0]:.3f} s gather+convert+pack, {parts[1]:.3f} s broadcast, "
+          f"{parts[2]:.3f} s waiting for the servers' installs")
+    print(f"raw gloo broadcast:      {raw_s:10.3f}   ({per_server * 2 / raw_s / 2**20:.1f} MiB/s)")
+    for stage, rank in sorted(heads.items()):
+        extra = max(results[rank]["extra_kb"] for results in syncs) * 1024
+        print(f"stage {stage} head peak extra: {extra / 2**20:8.1f} MiB = {extra / bucket:.2f} x one bucket")
+    print(f"RESULT weight_sync_vs_raw {raw_s / sync_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()
