@@ -14,6 +14,7 @@ import os
 import signal
 import urllib.request
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -106,15 +107,21 @@ def _w_close() -> None:
 def world(tmp_path_factory: pytest.TempPathFactory):
     from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
-    from megatron_areal.server.local import start_embedded
+    from megatron_areal.server.local import free_port, start_embedded
 
     root = tmp_path_factory.mktemp("realloc")
     model = make_tiny_model(root / "model", "llama", seed=3)
-    servers = [start_embedded(model, args=["--weight-version", "init"]) for _ in range(2)]
-    pool = WorkerPool(TP * PP, timeout_s=300)
+    ports = [free_port() for _ in range(2)]
+    # the servers start while the trainer builds its model (it contacts them only on the first sync)
+    with ThreadPoolExecutor(2) as ex:
+        starting = [ex.submit(start_embedded, model, port=port, args=["--weight-version", "init"]) for port in ports]
+        pool = WorkerPool(TP * PP, timeout_s=300)
+        try:
+            # small buckets: the tiny model travels in many of them
+            pool.run(_w_setup, str(model), [f"http://127.0.0.1:{p}" for p in ports], 0.05, str(root / "disk"))
+        finally:
+            servers = [f.result() for f in starting]
     try:
-        # small buckets: the tiny model travels in many of them
-        pool.run(_w_setup, str(model), [s.url for s in servers], 0.05, str(root / "disk"))
         yield {"root": root, "model": model, "servers": servers, "pool": pool}
         pool.run(_w_close)
     finally:

@@ -50,6 +50,14 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _pack(dst: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` into the byte slice ``dst`` in one pass, strided views (q/k/v) included."""
+    if dst.storage_offset() % tensor.element_size() == 0:
+        dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    else:  # tensors of mixed dtypes can leave an odd offset; go through a contiguous copy
+        dst.copy_(_as_bytes(tensor))
+
+
 def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_group: dist.ProcessGroup | None,
                tp_size: int, *, keep: bool, bucket_bytes: int, flat: bool = True, dtype: torch.dtype | None = None,
                device: torch.device | None = None) -> Iterator[Bucket]:
@@ -76,7 +84,7 @@ def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_group: dis
         else:
             if buffer is None:
                 buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=tensor.device)
-            buffer[bucket.nbytes:bucket.nbytes + nbytes].copy_(_as_bytes(tensor))
+            _pack(buffer[bucket.nbytes:bucket.nbytes + nbytes], tensor)
         bucket.describe(name, tensor)
     if bucket:
         yield _seal(bucket, buffer)

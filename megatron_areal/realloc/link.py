@@ -7,6 +7,7 @@ head rendezvous at the head's store), and each bucket is broadcast while its
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import socket
 import time
@@ -17,6 +18,14 @@ from megatron_areal.realloc.fleet import ServerPool, wait_all
 from megatron_areal.realloc.group import WeightUpdateGroup
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A bucket whose broadcast is done and whose HTTP replies may still be on the way."""
+
+    futures: dict[str, cf.Future]
+    broadcast_error: str | None
 
 
 @dataclass(frozen=True)
@@ -71,9 +80,13 @@ class StageLink:
                  self.group_name, len(self.members), self.world_size)
         return errors
 
-    def send(self, bucket: Bucket, version: str | None) -> dict[str, str]:
-        """Announce the bucket to every server, broadcast it, await the replies; {url: error}."""
-        assert self.group is not None, "send() before form()"
+    def post(self, bucket: Bucket, version: str | None) -> Pending:
+        """Announce the bucket to every server and broadcast it; the replies are awaited by ``finish``.
+
+        When this returns the bucket's memory is free to reuse (the broadcast has completed on the
+        sending side), so the next bucket can be gathered while the servers install this one.
+        """
+        assert self.group is not None, "post() before form()"
         meta = bucket.meta()
         futures = {url: self.pool.submit(url, lambda c: c.update_weights_from_distributed(
             **meta, weight_version=version, group_name=self.group_name, flattened_bucket=bucket.flat,
@@ -86,9 +99,18 @@ class StageLink:
             # replies (and the dead one's connection error or silence) arrive within the timeout.
             log.error("stage %d: broadcast in %s failed: %s", self.stage, self.group_name, e)
             self.close_group()
-            errors = wait_all(futures, self.timeout_s)
-            return errors or {url: f"{url}: broadcast in {self.group_name} failed: {e}" for url in self.urls}
-        return wait_all(futures, self.timeout_s)
+            return Pending(futures, f"broadcast in {self.group_name} failed: {e}")
+        return Pending(futures, None)
+
+    def finish(self, pending: Pending) -> dict[str, str]:
+        """The servers' replies to a posted bucket: {url: error} of those that failed or hung."""
+        errors = wait_all(pending.futures, self.timeout_s)
+        if pending.broadcast_error and not errors:
+            return {url: f"{url}: {pending.broadcast_error}" for url in self.urls}
+        return errors
+
+    def send(self, bucket: Bucket, version: str | None) -> dict[str, str]:
+        return self.finish(self.post(bucket, version))
 
     def close_group(self) -> None:
         if self.group is not None:

@@ -27,7 +27,7 @@ from megatron_areal.realloc.buckets import Bucket, hf_buckets
 from megatron_areal.realloc.config import ReallocConfig
 from megatron_areal.realloc.disk import prune_versions, write_hf_folder
 from megatron_areal.realloc.fleet import ServerPool
-from megatron_areal.realloc.link import StageLink
+from megatron_areal.realloc.link import Pending, StageLink
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ class SyncResult:
     max_bucket_bytes: int
     servers: list[str]  # servers holding ``version`` now
     dropped: dict[str, str] = field(default_factory=dict)  # url -> the error that removed it
+    # on the busiest stage head: TP gather + HF conversion + packing, broadcasts, waiting for installs
+    gather_seconds: float = 0.0
+    broadcast_seconds: float = 0.0
+    reply_seconds: float = 0.0
 
 
 @dataclass
@@ -53,6 +57,10 @@ class _Outcome:
     bytes_sent: int = 0
     buckets: int = 0
     max_bucket_bytes: int = 0
+    # time on the busiest stage head: gathering + converting, broadcasting, waiting for installs
+    gather_seconds: float = 0.0
+    broadcast_seconds: float = 0.0
+    reply_seconds: float = 0.0
 
 
 def normalize_url(url: str) -> str:
@@ -102,7 +110,8 @@ class WeightSync:
         self.version = version
         result = SyncResult(version=version, seconds=time.monotonic() - start, bytes_sent=outcome.bytes_sent,
                             buckets=outcome.buckets, max_bucket_bytes=outcome.max_bucket_bytes,
-                            servers=list(self.servers), dropped=dropped)
+                            servers=list(self.servers), dropped=dropped, gather_seconds=outcome.gather_seconds,
+                            broadcast_seconds=outcome.broadcast_seconds, reply_seconds=outcome.reply_seconds)
         if self.rank0:
             log.info("weights v%s on %d servers in %.2fs (%.1f MB, %d buckets)%s", version, len(self.servers),
                      result.seconds, result.bytes_sent / 1e6, result.buckets,
@@ -194,23 +203,52 @@ class WeightSync:
         if self.is_head and servers:
             link, local.errors = self._link_for(servers, temporary)
         if self.groups.dp_rank == 0 and servers:
-            for bucket in hf_buckets(self.chunks, self.arch, self.groups.tp_group, self.groups.tp,
-                                     keep=self.is_head, bucket_bytes=self.config.bucket_bytes,
-                                     flat=self.config.flattened_bucket, dtype=self.dtype, device=self.groups.device):
-                if local.errors or link is None:
-                    continue  # keep gathering in step with the TP peers, send nothing more
-                local.errors = link.send(bucket, version)
-                local.buckets += 1
-                local.bytes_sent += bucket.nbytes
-                local.max_bucket_bytes = max(local.max_bucket_bytes, bucket.nbytes)
-                if self.on_bucket is not None:
-                    self.on_bucket(local.buckets - 1, bucket)
+            self._stream(link, version, local)
         outcome = self._merge(local)
         if link is not None and (temporary or outcome.errors):
             link.destroy([u for u in servers if u not in outcome.errors])
             if link is self._link:
                 self._link = None
         return outcome
+
+    def _stream(self, link: StageLink | None, version: str, local: _Outcome) -> None:
+        """Gather, convert and send this stage's buckets; TP peers only take part in the gathers.
+
+        The servers install bucket k while bucket k+1 is being gathered; their replies to k are
+        awaited before k+1 is announced, so each group sees one request at a time.
+        """
+        pending = None
+        buckets = hf_buckets(self.chunks, self.arch, self.groups.tp_group, self.groups.tp, keep=self.is_head,
+                             bucket_bytes=self.config.bucket_bytes, flat=self.config.flattened_bucket,
+                             dtype=self.dtype, device=self.groups.device)
+        clock = time.perf_counter()
+        for bucket in buckets:
+            local.gather_seconds += time.perf_counter() - clock
+            if pending is not None:
+                local.errors, pending = self._finish(link, pending, local), None
+            if local.errors or link is None:
+                clock = time.perf_counter()
+                continue  # keep gathering in step with the TP peers, send nothing more
+            clock = time.perf_counter()
+            pending = link.post(bucket, version)
+            local.broadcast_seconds += time.perf_counter() - clock
+            local.buckets += 1
+            local.bytes_sent += bucket.nbytes
+            local.max_bucket_bytes = max(local.max_bucket_bytes, bucket.nbytes)
+            if self.on_bucket is not None:
+                self.on_bucket(local.buckets - 1, bucket)
+            clock = time.perf_counter()
+        local.gather_seconds += time.perf_counter() - clock
+        if pending is not None:
+            local.errors = self._finish(link, pending, local)
+
+    @staticmethod
+    def _finish(link: StageLink | None, pending: Pending, local: _Outcome) -> dict[str, str]:
+        assert link is not None
+        clock = time.perf_counter()
+        errors = link.finish(pending)
+        local.reply_seconds += time.perf_counter() - clock
+        return errors
 
     def _link_for(self, servers: dict[str, int], temporary: bool) -> tuple[StageLink | None, dict[str, str]]:
         """The stage's group with exactly ``servers``, formed now unless the current one matches."""
@@ -261,6 +299,9 @@ class WeightSync:
             total.bytes_sent += part.bytes_sent
             total.buckets += part.buckets
             total.max_bucket_bytes = max(total.max_bucket_bytes, part.max_bucket_bytes)
+            total.gather_seconds = max(total.gather_seconds, part.gather_seconds)
+            total.broadcast_seconds = max(total.broadcast_seconds, part.broadcast_seconds)
+            total.reply_seconds = max(total.reply_seconds, part.reply_seconds)
         return total
 
     def _from_rank0(self, value: dict[str, str]) -> dict[str, str]:
