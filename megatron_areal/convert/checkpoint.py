@@ -3,7 +3,7 @@
 One checkpoint is one ``megatron.core.dist_checkpointing`` directory ``<root>/step_<N>``:
 
 - model and optimizer state as global sharded tensors (the optimizer in Megatron's
-  ``fully_sharded_model_space`` form), so a checkpoint saved at one TP/PP/DP layout resumes at
+  ``fully_reshardable`` form), so a checkpoint saved at one TP/PP/DP layout resumes at
   another;
 - the scheduler state and the user's ``extra`` dict (policy version, dataset position, replay
   buffer, ...) as common state written once by rank 0;
@@ -38,7 +38,7 @@ from megatron_areal.convert.weights import unwrap
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_OPTIMIZER_META = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+_OPTIMIZER_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
@@ -87,6 +87,49 @@ def _rng_sharded(groups: ParallelGroups, state: Any) -> Any:
                          (groups.pp_rank, groups.tp_rank, groups.dp_rank), replica_id=0)
 
 
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Give a never-stepped Adam its state tensors, so its sharded state dict can describe them.
+
+    Megatron's distributed optimizer builds its save and load requests from its current state
+    and, with torch's Adam (no Apex/TE), asserts that every parameter has a ``step``; a fresh
+    optimizer has none. Zero moments at step 0 are exactly what Adam starts from; on load they
+    are replaced by the loaded values.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+
+def _load_optimizer(optimizer: Any, state: Any) -> None:
+    """``optimizer.load_state_dict`` for the fully reshardable format with torch's Adam.
+
+    megatron-core 0.16.1 copies every key of a parameter's Adam state from the loaded tensors,
+    but the loaded tensors never carry ``step`` (it travels in the param groups), so the copy
+    fails with KeyError('step'). The common part is loaded first (it sets ``step``), then the
+    per-parameter tensors with ``step`` set aside. Megatron also hands every parameter the same
+    ``step`` tensor, which Adam then increments once per parameter; each gets its own copy.
+    """
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    per_sub = [state] if len(subs) == 1 else [v for _, v in sorted(state.items())]
+    for sub, sub_state in zip(subs, per_sub, strict=True):
+        param_state = None
+        if sub_state.get("param_state_sharding_type") == "fully_reshardable":
+            param_state = sub_state.pop("param_state")
+        sub.load_state_dict(sub_state)
+        inner_state = sub.optimizer.state
+        steps = {p: st.pop("step") for p, st in inner_state.items() if "step" in st}
+        if param_state is not None:
+            sub.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            inner_state[p]["step"] = step.clone() if isinstance(step, torch.Tensor) else step
+    if len(subs) > 1 and hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+
+
 class Checkpointer:
     """Save and resume the training state of one run under ``root`` (collective calls)."""
 
@@ -104,6 +147,7 @@ class Checkpointer:
         model_sd = dist_ckpt.model_sharded_state_dict(chunks)
         state: dict[str, Any] = {"model": model_sd}
         if optimizer is not None:
+            _ensure_optimizer_state(optimizer)
             state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                               metadata=_OPTIMIZER_META)
         if scheduler is not None:
@@ -178,7 +222,7 @@ class Checkpointer:
         loaded = dist_checkpointing.load(request, str(path))
         dist_ckpt.load_model_state([unwrap(c) for c in model], loaded["model"])
         if optimizer is not None:
-            optimizer.load_state_dict(loaded["optimizer"])
+            _load_optimizer(optimizer, loaded["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(loaded["scheduler"])
         if same_layout:

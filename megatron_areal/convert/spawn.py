@@ -102,7 +102,7 @@ class WorkerPool:
             elif proc.is_alive():
                 inbox.put(None)
         for proc in self._procs:
-            proc.join(timeout=30)
+            proc.join(timeout=5)  # idle workers exit at once; a stuck teardown is not worth waiting for
             if proc.is_alive():
                 proc.kill()
         self._procs = []

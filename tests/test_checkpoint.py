@@ -1,0 +1,147 @@
+"""Training checkpoints: resume equals never stopping, and a TP2 PP2 checkpoint resumes at TP1 PP1.
+
+One four-rank pool. Run A (TP2 PP2) loads a tiny Llama, takes a PPO step, saves, then takes a
+second step: the uninterrupted reference. Runs B start from a differently seeded model, load the
+checkpoint and take the same second step, at TP2 PP2 (must match A exactly, RNG included) and at
+TP1 PP1 with four DP ranks (the model and the distributed optimizer resharded, vocabulary padding
+256 -> 128; equal to float rounding). A run that loads the model but not the optimizer state must
+diverge, which shows the comparison can fail.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_areal.convert.checkpoint import latest_checkpoint, list_checkpoints
+from megatron_areal.convert.spawn import WorkerPool
+
+EVAL = [[3, 17, 40, 41, 42, 90, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 2]]
+
+
+def _batch(seed: int):
+    from megatron_areal.rollout.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(4):
+        prompt = torch.randint(4, 120, (5,), generator=g).tolist()
+        output = torch.randint(4, 120, (6 + i,), generator=g).tolist()
+        out.append(Trajectory(prompt_ids=prompt, output_ids=output, output_logprobs=[-4.85] * len(output),
+                              output_versions=[0] * len(output), reward=float(i % 2), group_id=0))
+    return out
+
+
+def _actor(hf_dir: str, tp: int, pp: int, seed: int):
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.convert.arch import load_arch
+
+    arch = load_arch(hf_dir)
+    groups = init_parallel(tp=tp, pp=pp, backend="gloo", seed=seed)
+    actor = Actor(arch, ModelConfig(path=hf_dir, dtype="float32", max_seq_len=64), ParallelConfig(tp=tp, pp=pp),
+                  OptimizerConfig(lr=1e-3, distributed=True, lr_schedule="linear"), PPOConfig(), groups,
+                  seed=seed, total_steps=10)
+    return arch, groups, actor
+
+
+def run_uninterrupted(hf_dir: str, root: str) -> dict:
+    from megatron_areal.actor.parallel import teardown_parallel
+    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.convert.weights import load_hf_weights
+
+    arch, groups, actor = _actor(hf_dir, 2, 2, seed=1)
+    load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
+    actor.ppo_update(_batch(1))
+    ckpt = Checkpointer(root, arch, groups, keep=2, hf_dir=hf_dir)
+    extra = {"version": 1, "buffer": [t.to_dict() for t in _batch(7)]}
+    ckpt.save(1, actor.model, actor.optimizer, actor.scheduler, extra)
+    after_save = {"rand": torch.rand(3), "saved": actor.compute_logprobs(EVAL)}
+    actor.ppo_update(_batch(2))
+    after_save["stepped"] = actor.compute_logprobs(EVAL)
+    after_save["lr"] = actor.optimizer.param_groups[0]["lr"]
+    teardown_parallel()
+    return after_save
+
+
+def run_resumed(hf_dir: str, root: str, tp: int, pp: int, load_optimizer: bool = True) -> dict:
+    from megatron_areal.actor.parallel import teardown_parallel
+    from megatron_areal.convert.checkpoint import Checkpointer
+
+    arch, groups, actor = _actor(hf_dir, tp, pp, seed=5)  # other random weights: all must come from the file
+    ckpt = Checkpointer(root, arch, groups, keep=2)
+    optimizer, scheduler = (actor.optimizer, actor.scheduler) if load_optimizer else (None, None)
+    step, extra = ckpt.load(ckpt.latest(), actor.model, optimizer, scheduler)
+    out = {"step": step, "extra": extra, "rand": torch.rand(3), "loaded": actor.compute_logprobs(EVAL)}
+    actor.ppo_update(_batch(2))
+    out["stepped"] = actor.compute_logprobs(EVAL)
+    out["lr"] = actor.optimizer.param_groups[0]["lr"]
+    teardown_parallel()
+    return out
+
+
+def run_keep_latest(hf_dir: str, root: str) -> list[str]:
+    from megatron_areal.actor.parallel import teardown_parallel
+    from megatron_areal.convert.checkpoint import Checkpointer
+
+    arch, groups, actor = _actor(hf_dir, 1, 2, seed=1)
+    ckpt = Checkpointer(root, arch, groups, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, actor.model, actor.optimizer, actor.scheduler, {"step": step})
+    teardown_parallel()
+    return sorted(p.name for p in ckpt.root.iterdir())
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(4, timeout_s=600) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def reference(pool, tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return root, pool.run(run_uninterrupted, str(tiny_llama), str(root))[0]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def test_resume_at_same_layout_equals_uninterrupted(pool, tiny_llama, reference):
+    root, ref = reference
+    results = pool.run(run_resumed, str(tiny_llama), str(root), 2, 2)
+    got = results[0]
+    assert got["step"] == 1 and got["extra"]["version"] == 1
+    assert got["extra"]["buffer"][3]["output_ids"] == _batch(7)[3].output_ids
+    assert _max_diff(got["loaded"], ref["saved"]) == 0.0
+    assert _max_diff(got["stepped"], ref["stepped"]) == 0.0
+    assert got["lr"] == ref["lr"]
+    assert torch.equal(got["rand"], ref["rand"])  # RNG restored
+    assert _max_diff(ref["stepped"], ref["saved"]) > 1e-3  # the step really moved the model
+
+
+def test_tp2pp2_checkpoint_resumes_at_tp1pp1(pool, tiny_llama, reference):
+    root, ref = reference
+    got = pool.run(run_resumed, str(tiny_llama), str(root), 1, 1)
+    for rank_result in got:  # four DP ranks, each with a quarter of the optimizer state
+        assert _max_diff(rank_result["loaded"], ref["saved"]) <= 1e-5
+        assert _max_diff(rank_result["stepped"], ref["stepped"]) <= 1e-5
+
+
+def test_optimizer_state_matters(pool, tiny_llama, reference):
+    root, ref = reference
+    got = pool.run(run_resumed, str(tiny_llama), str(root), 2, 2, False)[0]
+    assert _max_diff(got["loaded"], ref["saved"]) == 0.0
+    assert _max_diff(got["stepped"], ref["stepped"]) > 1e-4  # fresh Adam moments take another step
+
+
+def test_keeps_newest_and_ignores_unfinished(pool, tiny_llama, tmp_path):
+    (tmp_path / ".step_00000009.tmp").mkdir()  # a save that crashed
+    (tmp_path / "step_00000008").mkdir()  # no description file: not a finished checkpoint
+    names = pool.run(run_keep_latest, str(tiny_llama), str(tmp_path))[0]
+    assert names == ["step_00000002", "step_00000003", "step_00000008"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    assert latest_checkpoint(tmp_path).name == "step_00000003"
+    assert latest_checkpoint(tmp_path / "absent") is None
