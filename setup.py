@@ -21,6 +21,7 @@ setup(
         "tqdm",
         "tensorboard",
         "aiohttp",
+        "psutil",  # the launcher stops whole process trees
         "math-verify==0.9.0",
         "matplotlib",
     ],
