@@ -372,3 +372,20 @@ def test_client_disconnect_aborts_its_request(server) -> None:
     while call(server.url, "/v1/loads")[1]["loads"][0]["num_running_reqs"]:
         assert time.monotonic() < deadline, "the abandoned request kept running"
         time.sleep(0.1)
+
+
+def test_stop_strings(server, models) -> None:
+    from megatron_areal.server.tokenizer import load_tokenizer
+
+    load(server.url, models[0], "v0")
+    tok = load_tokenizer(models[0])
+    sp = {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
+    full = call(server.url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": sp})[1]["output_ids"]
+    stop = next(w for w in (tok.decode([t], skip_special_tokens=False).strip() for t in full[8:]) if w)
+    end = next(j for j in range(len(full)) if stop in tok.decode(full[: j + 1], skip_special_tokens=False))
+    status, res = call(server.url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {**sp, "stop": stop}})
+    assert status == 200 and res["output_ids"] == full[: end + 1]
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    text = tok.decode(full[: end + 1], skip_special_tokens=True)
+    assert res["text"] == (text[: text.rindex(stop)] if stop in text else text)  # the stop string is trimmed
+    assert call(server.url, "/generate", {"input_ids": [1], "sampling_params": {"stop": [1]}})[0] == 400

@@ -64,8 +64,9 @@ async def serve(args: argparse.Namespace) -> None:
     opts = EngineOptions(max_running=args.max_running, max_queue=args.max_queue,
                          context_length=args.context_length, max_prefill_tokens=args.max_prefill_tokens,
                          seed=args.seed, device=args.device, dtype=args.dtype, weight_version=args.weight_version)
-    engine = await asyncio.to_thread(Engine, args.model, opts)
     tokenizer = None if args.skip_tokenizer_init else await asyncio.to_thread(load_tokenizer, args.model)
+    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    engine = await asyncio.to_thread(Engine, args.model, opts, decode)
     api = Api(engine, api_key=args.api_key, tokenizer=tokenizer, served_model_name=args.model)
     runner = web.AppRunner(api.app(int(args.max_body_mb * 2**20)), access_log=None, handler_cancellation=False)
     await runner.setup()

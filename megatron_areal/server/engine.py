@@ -42,7 +42,8 @@ class EngineOptions:
 
 
 class Engine:
-    def __init__(self, model_path: str, opts: EngineOptions) -> None:
+    def __init__(self, model_path: str, opts: EngineOptions,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.model_path, self.opts = str(model_path), opts
         self.arch: ModelArch = load_arch(model_path)
         self.device = torch.device(opts.device)
@@ -56,7 +57,7 @@ class Engine:
         self.cache = KVCache(self.arch, opts.max_running, self.max_len, self.dtype, self.device)
         self.scheduler = Scheduler(max_running=opts.max_running, max_len=self.max_len,
                                    eos_ids=self.arch.eos_token_ids,
-                                   max_prefill_tokens=opts.max_prefill_tokens)
+                                   max_prefill_tokens=opts.max_prefill_tokens, decode=decode)
         self.weight_version = opts.weight_version
         self.paused = False
         self.groups: dict[str, WeightUpdateGroup] = {}

@@ -21,8 +21,8 @@ TOP_LEVEL_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "retu
 # Accepted only at their neutral value: the embedded server does not implement them.
 NEUTRAL_PARAMS: dict[str, Any] = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                   "repetition_penalty": 1.0, "logit_bias": None, "json_schema": None,
-                                  "regex": None, "ebnf": None, "stop": None}
-IGNORED_PARAMS = {"no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"}
+                                  "regex": None, "ebnf": None}
+IGNORED_PARAMS = {"stop", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"}
 
 
 @dataclass
@@ -48,7 +48,7 @@ def _int(sp: dict[str, Any], key: str, default: int, lo: int) -> int:
     return v
 
 
-def parse_sampling(sp: Any, prompt_len: int, max_len: int, vocab: int) -> SamplingParams:
+def parse_sampling(sp: Any, prompt_len: int, max_len: int, vocab: int, has_tokenizer: bool) -> SamplingParams:
     if not isinstance(sp, dict):
         raise BadRequest(f"sampling_params: expected an object, got {type(sp).__name__}")
     for key, value in sp.items():
@@ -69,6 +69,13 @@ def parse_sampling(sp: Any, prompt_len: int, max_len: int, vocab: int) -> Sampli
     stop_ids = sp.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in stop_ids):
         raise BadRequest("sampling_params.stop_token_ids: expected a list of token ids")
+    stop = sp.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 32 or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("sampling_params.stop: expected a string or a list of at most 32 non-empty strings")
+    if stop and not has_tokenizer:
+        raise BadRequest("sampling_params.stop: stop strings need a tokenizer; this server has none "
+                         "(use stop_token_ids)")
     ignore_eos = sp.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"sampling_params.ignore_eos: expected true/false, got {ignore_eos!r}")
@@ -79,7 +86,7 @@ def parse_sampling(sp: Any, prompt_len: int, max_len: int, vocab: int) -> Sampli
     return SamplingParams(
         max_new_tokens=max_new, temperature=_number(sp, "temperature", 1.0, 0.0, 100.0),
         top_p=_number(sp, "top_p", 1.0, 1e-9, 1.0), top_k=-1 if top_k == 0 else top_k,
-        min_new_tokens=_int(sp, "min_new_tokens", 0, 0), stop_token_ids=tuple(stop_ids),
+        min_new_tokens=_int(sp, "min_new_tokens", 0, 0), stop_token_ids=tuple(stop_ids), stop=tuple(stop),
         ignore_eos=ignore_eos, n=_int(sp, "n", 1, 1), seed=seed)
 
 
@@ -134,7 +141,7 @@ def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int) -> Pa
         raise BadRequest("rid: expected a string or one string per prompt")
     prompts = []
     for ids, sp, rid in zip(batch, sps, rids, strict=True):
-        params = parse_sampling(sp, len(ids), max_len, vocab)
+        params = parse_sampling(sp, len(ids), max_len, vocab, tokenizer is not None)
         for j in range(params.n):
             child = rid if params.n == 1 else f"{rid}_{j}"
             prompts.append((child, ids, params))
@@ -163,7 +170,12 @@ def response(req: Request, *, return_logprob: bool, weight_version: str, tokeniz
     out: dict[str, Any] = {"output_ids": req.output_ids, "meta_info": meta}
     if tokenizer is not None:
         ids = req.output_ids
-        if req.finish_reason and req.finish_reason.get("type") == "stop" and ids:
+        reason = req.finish_reason or {}
+        matched = reason.get("matched") if reason.get("type") == "stop" else None
+        if isinstance(matched, int) and ids:
             ids = ids[:-1]  # SGLang leaves the matched stop token out of the text
-        out["text"] = tokenizer.decode(ids, skip_special_tokens=True)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if isinstance(matched, str) and matched in text:
+            text = text[:text.rindex(matched)]  # ... and the stop string
+        out["text"] = text
     return out

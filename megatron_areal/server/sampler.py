@@ -20,6 +20,7 @@ class SamplingParams:
     top_k: int = -1
     min_new_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded output
     ignore_eos: bool = False
     n: int = 1
     seed: int | None = None  # SGLang's sampling_seed

@@ -49,10 +49,11 @@ class Plan:
 
 class Scheduler:
     def __init__(self, *, max_running: int, max_len: int, eos_ids: tuple[int, ...],
-                 max_prefill_tokens: int = 8192) -> None:
+                 max_prefill_tokens: int = 8192, decode: Callable[[list[int]], str] | None = None) -> None:
         self.max_running, self.max_len = max_running, max_len
         self.eos_ids = frozenset(eos_ids)
         self.max_prefill_tokens = max_prefill_tokens
+        self.decode = decode  # token ids -> text, for stop strings
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -80,13 +81,29 @@ class Scheduler:
         p = req.params
         n = len(req.output_ids)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        matched = self._stop_string(req) if p.stop and n >= p.min_new_tokens else None
         if token in stops and n >= p.min_new_tokens:
             req.finish_reason = {"type": "stop", "matched": token}
+        elif matched is not None:
+            req.finish_reason = {"type": "stop", "matched": matched}
         elif n >= p.max_new_tokens:
             req.finish_reason = {"type": "length", "length": n}
         elif len(req.all_ids) >= self.max_len:
             req.finish_reason = {"type": "length", "length": n}
         return req.finish_reason is not None
+
+    def _stop_string(self, req: Request) -> str | None:
+        """A stop string that ends in the newest token (earlier matches ended the request already)."""
+        if self.decode is None:
+            return None
+        longest = max(map(len, req.params.stop))
+        # Each token decodes to at least one character, so this window holds any new match.
+        window = req.output_ids[-(longest + 1):]
+        text, before = self.decode(window), self.decode(window[:-1])
+        for s in req.params.stop:
+            if s in text and (s not in before or text.count(s) > before.count(s)):
+                return s
+        return None
 
     def take(self, predicate: Callable[[Request], bool]) -> list[Request]:
         """Remove and return matching requests, running and waiting."""
