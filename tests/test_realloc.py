@@ -74,13 +74,15 @@ def _w_save(ckpt_dir: str) -> None:
     dist.barrier()
 
 
-def _w_sync(version: str, kill_pid: int | None = None, which: str = "sync") -> dict[str, Any]:
+def _w_sync(version: str, pid: int | None = None, signum: int = signal.SIGKILL,
+            which: str = "sync") -> dict[str, Any]:
+    """One sync; with ``pid``, stage 0's head sends ``signum`` to that server after its first bucket."""
     sync = _STATE[which]
-    if kill_pid is not None and sync.is_head and sync.groups.pp_rank == 0:
-        def kill_after_first(index: int, bucket: Any) -> None:
+    if pid is not None and sync.is_head and sync.groups.pp_rank == 0:
+        def signal_after_first(index: int, bucket: Any) -> None:
             if index == 0:
-                os.kill(kill_pid, signal.SIGKILL)
-        sync.on_bucket = kill_after_first
+                os.kill(pid, signum)
+        sync.on_bucket = signal_after_first
     try:
         r = sync.sync(version)
     finally:
@@ -196,7 +198,7 @@ def test_sync_matches_conversion_on_both_servers(world: dict[str, Any]) -> None:
 
 def test_disk_path_and_next_version(world: dict[str, Any]) -> None:
     world["pool"].run(_w_step, 1)
-    world["pool"].run(_w_sync, "2", None, "disk")
+    world["pool"].run(_w_sync, "2", None, signal.SIGKILL, "disk")
     ref = _reference(world, "v2")
     for s in world["servers"]:
         _assert_serves(s.url, ref, "2")
@@ -269,3 +271,17 @@ def test_killed_server_is_dropped_and_sync_goes_on(world: dict[str, Any]) -> Non
     ref = _reference(world, "v5")
     for url in r["servers"]:
         _assert_serves(url, ref, "5")
+
+
+def test_server_that_stops_answering_times_out(world: dict[str, Any]) -> None:
+    """A frozen server (SIGSTOP: its sockets stay open, nothing answers) is named after the timeout."""
+    survivor, frozen = world["servers"]
+    world["pool"].run(_w_step, 5)
+    try:
+        r = world["pool"].run(_w_sync, "6", frozen.proc.pid, signal.SIGSTOP)[0]
+    finally:
+        frozen.proc.kill()
+        frozen.proc.wait(timeout=30)
+    assert list(r["dropped"]) == [frozen.url] and frozen.url in r["dropped"][frozen.url]
+    assert r["servers"] == [survivor.url]
+    _assert_serves(survivor.url, _reference(world, "v6"), "6")
