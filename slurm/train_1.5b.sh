@@ -11,11 +11,12 @@
 # trainer:  4 nodes, 32 GPUs, TP 1 x PP 1 x DP 32
 # eta:      4
 # ==
-# Why: 3/4 of the GPUs generate because decoding traces of up to 32k tokens costs far more than
-# training on them; a 1.5B model needs no model parallelism (11 GB of weights, gradients and
-# sharded Adam state per GPU), so every trainer GPU is a data-parallel rank, and every rollout GPU
-# is its own server. eta 4: the paper's ablation shows decoupled PPO at eta <= 4 keeps AIME24
-# accuracy (42.2 vs 42.0 synchronous) while removing the generation barrier.
+# Why: the reference system's documented 16-node Slurm example allocates exactly this: 12 nodes of
+# SGLang (DP 96 x TP 1) and 4 training nodes (DP 32). 3/4 of the GPUs generate because decoding
+# traces of up to 27k tokens costs far more than training on them. A 1.5B model needs no model
+# parallelism (11 GB of weights, gradients and sharded Adam state per GPU), so every trainer GPU
+# is a data-parallel rank and every rollout GPU is its own server. eta 4: the paper's ablation
+# shows decoupled PPO at eta <= 4 keeps AIME24 accuracy (42.2 vs 42.0 synchronous).
 #
 # Roles are given per node by megatron_areal/launch/plan.py: the first trainer nodes run torchrun
 # (rendezvous on the first of them), the other nodes run SGLang servers that register in

@@ -11,10 +11,11 @@
 # trainer:  16 nodes, 128 GPUs, TP 8 x PP 2 x DP 8
 # eta:      4
 # ==
-# Why: 3/4 of the GPUs generate. 66 GB of bf16 weights need model parallelism on 80 GB GPUs:
-# servers use TP 4 (16 GB of weights per GPU, room for long KV caches, lower per-token latency
-# than TP 2); the trainer uses TP 8 inside a node (NVLink) and PP 2 across nodes, 15 GB of model
-# state per GPU and half the activation memory per stage; 64 layers split evenly. eta 4 as above.
+# Why: 3/4 of the GPUs generate (the reference's 3:1 split). 66 GB of bf16 weights need model
+# parallelism on 80 GB GPUs: servers use TP 4 (16 GB of weights per GPU, room for long KV caches,
+# lower per-token latency than TP 2); the trainer uses TP 8 inside a node (NVLink) and PP 2 across
+# nodes: 15 GB of model state per GPU and half the activation memory per stage; 64 layers split
+# evenly. eta 4 as for 1.5B (the paper's staleness ablation).
 #
 # Roles are given per node by megatron_areal/launch/plan.py: the first trainer nodes run torchrun
 # (rendezvous on the first of them), the other nodes run SGLang servers that register in

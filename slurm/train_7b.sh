@@ -11,10 +11,11 @@
 # trainer:  6 nodes, 48 GPUs, TP 2 x PP 1 x DP 24
 # eta:      4
 # ==
-# Why: 3/4 of the GPUs generate (long-trace decoding dominates); 15 GB of bf16 weights fit one
-# GPU with about 50 GB left for KV cache, so servers use TP 1 (more independent servers, no
-# all-reduce per token). The trainer uses TP 2 with sequence parallelism: 25 GB of model state per
-# GPU and half the activations of 32k-token sequences. eta 4 as for 1.5B (paper ablation).
+# Why: 3/4 of the GPUs generate, the 3:1 split of the reference's 16-node allocation. 15 GB of
+# bf16 weights fit one GPU with about 50 GB left for KV cache, so servers use TP 1 (more
+# independent servers, no all-reduce per token). The trainer uses TP 2 with sequence parallelism:
+# 25 GB of model state per GPU and half the activations of 28k-token sequences. eta 4 as for 1.5B
+# (the paper's staleness ablation).
 #
 # Roles are given per node by megatron_areal/launch/plan.py: the first trainer nodes run torchrun
 # (rendezvous on the first of them), the other nodes run SGLang servers that register in

@@ -150,6 +150,9 @@ def test_dry_run_512_gpus_prints_the_plan(capsys: pytest.CaptureFixture[str]) ->
     (["--nodes", "16", "server.tp=1", "cluster.gpu_memory_gb=64"], "model too large for a server"),
     (["--nodes", "4", "--gpus-per-node", "4", "parallel.tp=8"], "tensor parallelism across nodes"),
     (["--nodes", "16", "rollout.batch_size=1", "rollout.group_size=1"], "exceeds the sequences of one step"),
+    (["--nodes", "16", "model.path=/nowhere/unknown-model"], "cannot size the model"),
+    (["--nodes", "16", "parallel.pp=3"], "64 layers are not divisible by parallel.pp (3)"),
+    (["--nodes", "16", "model.path=deepseek-r1-distill-qwen-7b"], "28 attention heads / 4 KV heads cannot be split"),
 ])
 def test_dry_run_reports_failing_checks(extra: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = _dry([str(ROOT / "configs/train_32b.yaml"), "--dry-run", *extra], capsys)

@@ -11,6 +11,8 @@ from pathlib import Path
 from megatron_areal.config import Config
 from megatron_areal.convert.arch import ModelArch, UnsupportedModelError, load_arch
 from megatron_areal.launch.plan import Plan
+from megatron_areal.sim.models import ModelShape
+from megatron_areal.sim.models import resolve_model as catalogue_model
 
 GB = 1e9
 # Bytes per parameter of the trainer's model state in bf16 mixed precision (Megatron's accounting):
@@ -45,10 +47,22 @@ def model_arch(cfg: Config) -> ModelArch | None:
         return None
 
 
-def model_params(cfg: Config, arch: ModelArch | None) -> float | None:
+def catalogue_shape(cfg: Config) -> ModelShape | None:
+    """The simulator's catalogue of published model shapes, so a plan for a model whose weights are
+    not on this machine (a laptop planning a cluster run) is still checked."""
+    try:
+        return catalogue_model(cfg.model.path)
+    except (ValueError, OSError, UnsupportedModelError):
+        return None
+
+
+def model_params(cfg: Config, arch: ModelArch | None, shape: ModelShape | None) -> float | None:
+    """From the local config.json, else cluster.model_params_b, else the catalogue."""
     if arch is not None:
         return float(count_params(arch))
-    return cfg.cluster.model_params_b * 1e9 if cfg.cluster.model_params_b > 0 else None
+    if cfg.cluster.model_params_b > 0:
+        return cfg.cluster.model_params_b * 1e9
+    return float(shape.params) if shape is not None else None
 
 
 def check_plan(plan: Plan, cfg: Config, eta_explicit: bool) -> None:
@@ -57,13 +71,14 @@ def check_plan(plan: Plan, cfg: Config, eta_explicit: bool) -> None:
     _check_ports(plan)
     _check_batch(plan, cfg)
     arch = model_arch(cfg)
-    if arch is not None:
-        _check_shapes(plan, arch, cfg)
+    shape = None if arch is not None else catalogue_shape(cfg)
+    if arch is not None or shape is not None:
+        _check_shapes(plan, arch or shape)
     if plan.gpus_per_node > 0:
-        params = model_params(cfg, arch)
+        params = model_params(cfg, arch, shape)
         if params is None:
-            plan.errors.append(f"cannot size the model: {cfg.model.path} is not a local HF folder; "
-                               "set cluster.model_params_b")
+            plan.errors.append(f"cannot size the model: {cfg.model.path} is not a local HF folder nor a "
+                               "known model; set cluster.model_params_b")
         else:
             _check_memory(plan, cfg, params)
 
@@ -101,7 +116,7 @@ def _check_batch(plan: Plan, cfg: Config) -> None:
                            f"step (rollout.batch_size * group_size = {seqs}): ranks would idle")
 
 
-def _check_shapes(plan: Plan, arch: ModelArch, cfg: Config) -> None:
+def _check_shapes(plan: Plan, arch: ModelArch | ModelShape) -> None:
     t = plan.trainer
     if arch.num_layers % t.pp:
         plan.errors.append(f"{arch.num_layers} layers are not divisible by parallel.pp ({t.pp})")

@@ -5,8 +5,6 @@ from megatron_areal.launch.plan import Plan
 
 
 def _gpu_range(gpus: tuple[int, ...]) -> str:
-    if not gpus:
-        return "cpu"
     return f"{gpus[0]}" if len(gpus) == 1 else f"{gpus[0]}-{gpus[-1]}"
 
 
@@ -16,7 +14,8 @@ def _node_line(plan: Plan, name: str) -> str:
     t = plan.trainer
     if name in t.nodes:
         where = f", rendezvous {t.master_addr}:{t.master_port}" if t.nodes.index(name) == 0 else ""
-        parts.append(f"torchrun, {t.nproc_per_node} ranks on GPUs {_gpu_range(t.gpus)}{where}")
+        devices = f"on GPUs {_gpu_range(t.gpus)}" if t.gpus else "on CPU"
+        parts.append(f"torchrun, {t.nproc_per_node} ranks {devices}{where}")
     servers = plan.servers_on(name)
     if servers:
         ports = [s.port for s in servers]

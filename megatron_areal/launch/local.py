@@ -8,6 +8,7 @@ from pathlib import Path
 
 from megatron_areal.config import Config
 from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
+from megatron_areal.launch.describe import describe
 from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import ProcessSet, Stopped, supervised
 from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
@@ -66,6 +67,7 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], model_dir: st
     clear_registrations(paths["servers"])
     plan = local_plan(cfg)
     plan.save(paths["plan"])
+    logger.info("%s", describe(plan, "this machine"))
     try:
         with supervised(ProcessSet(paths["logs"], cfg.cluster.stop_grace_s)) as procs:
             return _supervise(plan, cfg, procs, paths, overrides, config_path, model_dir)
