@@ -13,7 +13,7 @@ class ReallocConfig:
     bucket_mb: float = 512.0  # HF-layout bytes per /update_weights_from_distributed call
     timeout_s: float = 120.0  # per collective op and per HTTP reply; a silent server is dropped after it
     master_address: str | None = None  # address servers reach the stage heads at; None: this host's
-    disk_dir: str | None = None  # shared folder for method=disk (and for late joiners); None: <run_dir>/weights
+    disk_dir: str | None = None  # folder on a filesystem the servers share; required for method=disk
     # one broadcast per bucket (SGLang >= 0.5.23 and the embedded server); false: one per tensor
     flattened_bucket: bool = True
     max_retries: int = 1  # transfers repeated after dropping dead servers within one sync
@@ -25,6 +25,7 @@ class ReallocConfig:
         require(self.bucket_mb > 0, "bucket_mb", "must be > 0")
         require(self.timeout_s > 0, "timeout_s", "must be > 0")
         require(self.max_retries >= 0, "max_retries", "must be >= 0")
+        require(self.method != "disk" or bool(self.disk_dir), "disk_dir", "is required when method is 'disk'")
 
     @property
     def bucket_bytes(self) -> int:

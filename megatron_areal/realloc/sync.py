@@ -84,9 +84,9 @@ class WeightSync:
         self.chunks, self.arch, self.groups = list(chunks), arch, groups
         self.config = config or ReallocConfig()
         self.config.validate()
-        if self.config.method == "disk" and (template_dir is None or self.config.disk_dir is None):
-            raise ValueError("realloc.method=disk needs realloc.disk_dir and the model folder the servers "
-                             "started from (template_dir)")
+        if self.config.method == "disk" and template_dir is None:
+            raise ValueError("realloc.method=disk needs the model folder the servers started from (template_dir) "
+                             "for the config and tokenizer files")
         self.server_tp, self.dtype, self.on_bucket = server_tp, dtype, on_bucket
         self.template_dir = Path(template_dir) if template_dir is not None else None
         self.control_group = control_group
