@@ -1,6 +1,7 @@
 """The embedded server as a real process on localhost, checked against transformers."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -232,10 +233,15 @@ def test_abort_request_by_rid(server) -> None:
 
 
 def test_200_concurrent_requests_complete(server) -> None:
-    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True}}
-    with ThreadPoolExecutor(50) as ex:
-        results = list(ex.map(lambda _: call(server.url, "/generate", body), range(200)))
-    assert all(s == 200 and len(r["output_ids"]) == 8 for s, r in results)
+    from megatron_areal.rollout.client import RolloutClient
+
+    async def burst():
+        async with RolloutClient(server.url, api_key=KEY, timeout_s=300) as client:
+            sp = {"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True}
+            return await asyncio.gather(*(client.generate([1, 2, i % 100 + 3], sp) for i in range(200)))
+
+    results = asyncio.run(burst())
+    assert len(results) == 200 and all(len(r.output_ids) == 8 and r.finish_reason == "length" for r in results)
 
 
 def test_queue_full_answers_503(models) -> None:
