@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -33,6 +34,9 @@ def free_port() -> int:
 
 
 def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+    # Own process group: megatron-core's checkpoint writer starts a multiprocessing Manager in
+    # each rank; closing the pool kills the whole group so none of them outlives its worker.
+    os.setpgrp()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
@@ -84,10 +88,11 @@ class WorkerPool:
             try:
                 rank, ok, value = self._outbox.get(timeout=5.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive() and r not in results}
                 if dead:
                     self.close(force=True)
-                    raise WorkerError(f"worker rank(s) {dead} died while running {fn.__name__}") from None
+                    raise WorkerError(f"worker rank(s) {sorted(dead)} died (exit codes {list(dead.values())}) "
+                                      f"while running {fn.__name__}") from None
                 continue
             if not ok:
                 self.close(force=True)
@@ -103,8 +108,11 @@ class WorkerPool:
                 inbox.put(None)
         for proc in self._procs:
             proc.join(timeout=5)  # idle workers exit at once; a stuck teardown is not worth waiting for
-            if proc.is_alive():
-                proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker and anything it started
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.join(timeout=5)
         self._procs = []
 
     def __enter__(self) -> WorkerPool:
