@@ -144,6 +144,7 @@ def test_stop_rules_and_context_limit(tiny_llama, engine_for) -> None:
     late = run(engine, [("m", [1, 2, 3, 4], SamplingParams(**greedy, stop_token_ids=(target,),
                                                            min_new_tokens=k + 2))])["m"]
     assert len(late.output_ids) > k + 1
+    assert run(engine, [("z", [1, 2], SamplingParams(max_new_tokens=0))])["z"].output_ids == []
     eos_run = run(engine, [("e", [1, 2, 3, 4], SamplingParams(max_new_tokens=12, temperature=0))])["e"]
     expected = next((i for i, t in enumerate(res.output_ids) if t in engine.scheduler.eos_ids), None)
     assert eos_run.output_ids == res.output_ids[: (expected + 1) if expected is not None else 12]

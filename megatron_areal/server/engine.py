@@ -100,8 +100,13 @@ class Engine:
                 seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
                 gen = torch.Generator().manual_seed(seed)
                 reqs.append(Request(rid=rid, prompt_ids=ids, params=params, generator=gen, on_finish=on_finish))
-            self._inbox.extend(reqs)
-            self._queued += len(reqs)
+            runnable = [r for r in reqs if r.params.max_new_tokens > 0]
+            self._inbox.extend(runnable)
+            self._queued += len(runnable)
+        for r in reqs:
+            if r.params.max_new_tokens == 0:  # nothing to generate: done without touching the model
+                r.finish_reason = {"type": "length", "length": 0}
+                on_finish(r)
         self._work.set()  # never takes the engine lock: the event loop must not wait for a step
         return reqs
 
