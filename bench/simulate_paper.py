@@ -4,7 +4,9 @@ Prints, side by side in one run: the asynchronous speedup over synchronous for t
 nodes) and 7B (24 nodes) settings against the paper's 2.77x and 2.27x; the generation-throughput
 gain of interruptible generation on 4 nodes against +12% and +17%; how the speedup moves with the
 one workload assumption (mean response length); and throughput from 16 to 512 GPUs.
-Last line: ``RESULT sim_vs_paper_worst_error <fraction>`` over the four ratios.
+Last line: ``RESULT sim_vs_paper_worst_error <fraction>``, the worse relative error of the two
+speedups (the issue's two validation ratios); the interruptible gains' miss is printed in points
+on its own line just above, not hidden in the RESULT.
 
 Usage: python bench/simulate_paper.py [--quick]
 """
@@ -23,6 +25,7 @@ from megatron_areal.sim.scenario import from_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER_SPEEDUP = {"1.5b": 2.77, "7b": 2.27}  # Table 1: 41.0 h / 14.8 h and 57.7 h / 25.4 h
+PAPER_HOURS = {"1.5b": (41.0, 14.8), "7b": (57.7, 25.4)}  # sync, async; 1,000 steps
 PAPER_INTERRUPT = {"1.5b": 0.12, "7b": 0.17}  # generation throughput gain on 4 nodes
 
 
@@ -55,7 +58,8 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     steps = ["sim.steps=12", "sim.warmup_steps=4"] if args.quick else ["sim.steps=24", "sim.warmup_steps=6"]
     t0 = time.time()
-    errors = {}
+    errors: dict[str, float] = {}
+    misses: dict[str, float] = {}
     print("async speedup over sync, same GPUs (sim: steady state, response mean 8k tokens, sigma 1.0)")
     for size, nodes in (("1.5b", 16), ("7b", 24)):
         ratio, sync_s, async_s = speedup(size, steps)
@@ -63,15 +67,15 @@ def main() -> int:
         errors[f"speedup {size}"] = err
         print(f"  {size:>4} on {nodes} nodes: sim {ratio:.2f}x ({sync_s:.0f} s -> {async_s:.0f} s per step, "
               f"{sync_s / 3.6:.1f} h -> {async_s / 3.6:.1f} h per 1,000 steps)   "
-              f"paper {PAPER_SPEEDUP[size]:.2f}x   error {100 * err:.1f}%", flush=True)
+              f"paper {PAPER_SPEEDUP[size]:.2f}x ({PAPER_HOURS[size][0]} h -> {PAPER_HOURS[size][1]} h)"
+              f"   error {100 * err:.1f}%", flush=True)
         alt = speedup(size, [*steps, "sim.sync_placement=colocated"])
         print(f"        (not scored) were the sync baseline time-sharing all GPUs instead of the 1:1 split: "
               f"{alt[0]:.2f}x", flush=True)
     print("interruptible generation, generation throughput gain on 4 nodes")
     for size in ("1.5b", "7b"):
         gain, on, off = interrupt_gain(size, steps)
-        err = abs((1 + gain) / (1 + PAPER_INTERRUPT[size]) - 1)
-        errors[f"interrupt {size}"] = err
+        misses[size] = abs(gain - PAPER_INTERRUPT[size])
         paper = PAPER_INTERRUPT[size]
         print(f"  {size:>4}: sim {100 * gain:+.1f}% ({off:.0f} -> {on:.0f} tokens/s)   paper "
               f"{100 * paper:+.0f}%   off by {100 * (gain - paper):+.1f} points", flush=True)
@@ -88,11 +92,15 @@ def main() -> int:
         cells = "  ".join(f"{m} {row[m]:9.0f} ({row[m] / n:6.0f})" for m in ("async", "sync") if m in row)
         print(f"  {n:4d} GPUs  {cells}", flush=True)
     worst = max(errors, key=errors.get)
-    print(f"worst: {worst} ({100 * errors[worst]:.1f}%); wall {time.time() - t0:.0f} s")
+    print(f"wall {time.time() - t0:.0f} s")
     print("why the interruptible gain misses: without interruption a server admits nothing until its\n"
           "longest in-flight response (up to 27,648 tokens) ends, so the loss is drain time over update\n"
           "interval. The paper does not state its 4-node split or update interval; the sim takes the 3:1\n"
           "split of the configs, whose trainer sets the interval (short for 1.5B, long for 7B).")
+    print("why the absolute hours are ~1.5x the paper's in both modes: the async runs are trainer-bound\n"
+          "at the stated 40% MFU and 8k-token mean response; both are assumptions (see the sensitivity).")
+    print(f"interruptible_gain_worst_miss_points {100 * max(misses.values()):.1f}")
+    print(f"worst speedup error: {worst} ({100 * errors[worst]:.1f}%)")
     print(f"RESULT sim_vs_paper_worst_error {errors[worst]:.3f}")
     return 0
 
