@@ -28,7 +28,7 @@ _STATE: dict[str, Any] = {}  # per worker process: the trainer's model and Weigh
 
 
 # ---- trainer side (runs on every rank of the pool) ------------------------------------------
-def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str) -> None:
+def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, tp: int = TP, pp: int = PP) -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.convert.arch import load_arch
@@ -36,9 +36,12 @@ def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str) -
     from megatron_areal.realloc.config import ReallocConfig
     from megatron_areal.realloc.sync import WeightSync
 
-    groups = init_parallel(tp=TP, pp=PP, backend="gloo")
+    for key in ("sync", "disk"):  # a new layout in the same processes
+        if key in _STATE:
+            _STATE.pop(key).close()
+    groups = init_parallel(tp=tp, pp=pp, backend="gloo")
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=TP, pp=PP, pp_rank=groups.pp_rank)
+    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
     config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=10.0, master_address="127.0.0.1")
     disk = ReallocConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0, master_address="127.0.0.1")
@@ -70,7 +73,9 @@ def _w_save(ckpt_dir: str) -> None:
 
     dist_ckpt.save_model(_STATE["chunks"], ckpt_dir)
     if dist.get_rank() == 0:
-        dist_ckpt.write_meta(Path(ckpt_dir), _STATE["arch"], Path(_STATE["model_dir"]), torch.float32, TP, PP)
+        groups = _STATE["groups"]
+        dist_ckpt.write_meta(Path(ckpt_dir), _STATE["arch"], Path(_STATE["model_dir"]), torch.float32,
+                             groups.tp, groups.pp)
     dist.barrier()
 
 
@@ -285,3 +290,17 @@ def test_server_that_stops_answering_times_out(world: dict[str, Any]) -> None:
     assert list(r["dropped"]) == [frozen.url] and frozen.url in r["dropped"][frozen.url]
     assert r["servers"] == [survivor.url]
     _assert_serves(survivor.url, _reference(world, "v6"), "6")
+
+
+def test_data_parallel_replicas_send_once(world: dict[str, Any]) -> None:
+    """TP2 x DP2: only replica 0's head sends; the other replica waits and agrees on the outcome."""
+    survivor = world["servers"][0]
+    world["pool"].run(_w_setup, str(world["model"]), [survivor.url], 0.05, str(world["root"] / "disk-dp"), 2, 1)
+    from megatron_areal.server.weights import read_safetensors
+
+    results = world["pool"].run(_w_sync, "7")
+    assert results[0]["servers"] == [survivor.url] and not results[0]["dropped"]
+    ref = _reference(world, "v7")
+    _assert_serves(survivor.url, ref, "7")
+    model_bytes = sum(t.numel() * t.element_size() for t in read_safetensors(ref).values())
+    assert [r["bytes"] for r in results] == [model_bytes] * 4  # sent once, and every rank knows it
