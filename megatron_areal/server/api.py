@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -94,7 +95,8 @@ class Api:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self.api_key and request.path not in OPEN_PATHS:
-            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             return await handler(request)
