@@ -171,3 +171,17 @@ def test_busy_ports_move_to_free_ones() -> None:
     assert base not in ports and ports[1] == base + cfg.cluster.server_port_stride
     assert plan.trainer.master_port != master
     assert len(set(ports + [plan.trainer.master_port])) == 3
+
+
+def test_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """Even SIGKILL of the launcher (no cleanup runs) leaves no child behind."""
+    script = ("import sys, time\nfrom pathlib import Path\nfrom megatron_areal.launch.procs import ProcessSet\n"
+              "procs = ProcessSet(Path(sys.argv[1]))\nprocs.start('sleeper', ['sleep', '300'])\n"
+              "print(procs.children[0].pid, flush=True)\ntime.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    sleeper = psutil.Process(int(launcher.stdout.readline()))
+    assert sleeper.is_running()
+    launcher.kill()
+    launcher.wait()
+    wait_until(lambda: not sleeper.is_running() or sleeper.status() == psutil.STATUS_ZOMBIE, 10,
+               "the child of a killed launcher to end")

@@ -7,10 +7,12 @@ alone would orphan the workers), waits ``grace_s``, then SIGKILLs whatever is le
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +23,13 @@ from types import FrameType
 import psutil
 
 logger = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in each child before exec: if the launcher itself is killed outright (SIGKILL, the OOM
+    killer), the kernel sends the child SIGTERM, so even then nothing it started keeps running."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -71,7 +80,8 @@ class ProcessSet:
                 log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(cmd)}\n".encode())
                 log.flush()
                 popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+                                         env=env, start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             child = Child(name, popen, log_path)
             self.children.append(child)
         finally:
