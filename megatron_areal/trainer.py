@@ -100,7 +100,9 @@ def _step_metrics(stats: dict[str, float], rollout: dict[str, float], wait_s: fl
     out = {f"train/{k}": v for k, v in stats.items() if k != "tokens_per_s"}
     out.update(rollout)
     out.update({
-        "perf/train_tokens_per_s": stats.get("tokens", 0.0) / max(train_s, 1e-9),
+        # trained tokens per second of wall time (the run's throughput), and while computing
+        "perf/train_tokens_per_s": stats.get("tokens", 0.0) / max(step_s, 1e-9),
+        "perf/train_compute_tokens_per_s": stats.get("tokens", 0.0) / max(train_s, 1e-9),
         "perf/weight_sync_s": sync.seconds,
         "perf/weight_sync_mb": sync.bytes_sent / 1e6,
         "perf/step_time_s": step_s,
