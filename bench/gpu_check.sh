@@ -115,3 +115,13 @@ else:
     print("TE spec (THD) vs local spec logprobs, max |diff| "
           f"{max(float((a - b).abs().max()) for a, b in zip(te_lp, local_lp)):.3g}")
 EOF
+
+echo "== server: the embedded server on the accelerator, output tokens/s under concurrency"
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  "$PY" bench/gpu_server.py --device cuda
+else
+  echo "CUDA not available: skipping the embedded server on CUDA (bench/serve.py measures it on CPU)"
+fi
+
+echo "== realloc: trainer-side gather/convert/bucket stream vs a plain device copy (one GPU: no second rank for NCCL)"
+MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT_REALLOC:-29571} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "$PY" bench/gpu_realloc.py
