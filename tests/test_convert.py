@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from megatron_areal.convert import mapping
 from megatron_areal.convert.arch import UnsupportedModelError, load_arch
 from megatron_areal.convert.convert import hf_to_mcore, mcore_to_hf
-from megatron_areal.convert.dist_ckpt import CheckpointMismatchError
+from megatron_areal.convert.dist_ckpt import CheckpointMismatchError, CheckpointReadError
 from megatron_areal.convert.hf_io import HFFormatError
 
 # ---------------------------------------------------------------- mapping (pure)
@@ -187,7 +187,7 @@ def test_failure_while_reading_leaves_no_output(llama_ckpt, tmp_path):
     ckpt = shutil.copytree(llama_ckpt, tmp_path / "ckpt")
     for shard in ckpt.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(Exception):  # noqa: B017 - torch's own error for a corrupt shard
+    with pytest.raises(CheckpointReadError, match=rf"{ckpt}: cannot read the checkpoint's tensors"):
         mcore_to_hf(ckpt, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 

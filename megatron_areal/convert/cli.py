@@ -18,13 +18,13 @@ import torch
 
 from megatron_areal.convert.arch import UnsupportedModelError
 from megatron_areal.convert.convert import LayoutError, hf_to_mcore, mcore_to_hf
-from megatron_areal.convert.dist_ckpt import CheckpointMismatchError
+from megatron_areal.convert.dist_ckpt import CheckpointMismatchError, CheckpointReadError
 from megatron_areal.convert.hf_io import HFFormatError
 
 log = logging.getLogger(__name__)
 
 # Errors caused by the user's input: reported in one line, no traceback.
-INPUT_ERRORS = (HFFormatError, CheckpointMismatchError, UnsupportedModelError, FileNotFoundError,
+INPUT_ERRORS = (HFFormatError, CheckpointMismatchError, CheckpointReadError, UnsupportedModelError, FileNotFoundError,
                 FileExistsError, LayoutError)
 
 

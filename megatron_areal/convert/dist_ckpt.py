@@ -41,6 +41,10 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint that does not belong to the model it is loaded into."""
 
 
+class CheckpointReadError(ValueError):
+    """A checkpoint whose tensor files cannot be read (missing, truncated, corrupt)."""
+
+
 def write_meta(ckpt_dir: Path, arch: ModelArch, hf_dir: Path | None, hf_dtype: torch.dtype,
                tp: int, pp: int) -> None:
     """Describe the model next to the tensors; copy the HF config and tokenizer files along."""
@@ -132,11 +136,17 @@ def _load_full(ckpt_dir: Path, metadata: dict[str, Any], keys: list[str]) -> dic
     """Whole global tensors by checkpoint key (a one-rank world cannot load partial regions)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
+    from torch.distributed.checkpoint.api import CheckpointException
 
     request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(tuple(metadata[k].global_shape),
                                                                  dtype=metadata[k].dtype), replica_id=0)
                for k in keys}
-    return dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
+    try:
+        return dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
+    except (CheckpointException, OSError, RuntimeError, EOFError) as e:  # torch's error derives from BaseException
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise CheckpointReadError(f"{ckpt_dir}: cannot read the checkpoint's tensors "
+                                  f"({lines[-1] if lines else type(e).__name__})") from None
 
 
 def _checkpoint_key(name: str) -> tuple[str, int | None]:
