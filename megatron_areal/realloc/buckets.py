@@ -1,10 +1,9 @@
 """This pipeline stage's weights in the inference layout (HF names and shapes), in buckets.
 
-The per-architecture mapping and the tensor-parallel gather are the conversion's
-(``convert.weights.export_hf_weights``): it gathers one Megatron parameter at a time across the TP
-group and splits it into HF tensors. Every TP rank must run the generator to the end, because the
-gathers are collective; only the stage head keeps what comes out, so it alone holds a bucket and
-the other ranks hold at most one gathered parameter at a time.
+The per-architecture mapping is the conversion's; ``gather.stage_hf_tensors`` gathers one Megatron
+parameter at a time to the stage head and splits it into HF tensors. Every TP rank must run the
+generator to the end, because the gathers are collective; only the stage head receives, so it
+alone holds a bucket (plus the parameter being converted) and the other ranks hold nothing extra.
 
 Flat buckets (SGLang's ``load_format="flattened_bucket"``) pack the tensors' bytes back to back
 into one reused buffer of the bucket size and travel as a single broadcast; otherwise each tensor
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.convert.arch import ModelArch
-from megatron_areal.convert.weights import export_hf_weights
+from megatron_areal.realloc.gather import stage_hf_tensors
 
 
 @dataclass
@@ -68,9 +67,7 @@ def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_group: dis
     """
     bucket = Bucket(flat=flat)
     buffer: torch.Tensor | None = None
-    for name, tensor in export_hf_weights(chunks, arch, tp_group, tp_size, dtype=dtype):
-        if not keep:
-            continue
+    for name, tensor in stage_hf_tensors(chunks, arch, tp_group, tp_size, head=keep, dtype=dtype):
         tensor = tensor if device is None else tensor.to(device)
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and bucket.nbytes + nbytes > bucket_bytes:

@@ -1,7 +1,7 @@
 """The disk path: the trainer writes an HF folder, the servers load it with ``/update_weights_from_disk``.
 
 For clusters where the servers cannot join a group with the trainer. Each stage head writes its
-own stage's tensors (TP-gathered through the conversion's exporter) into one safetensors shard of
+own stage's tensors (TP-gathered, converted with the conversion's mapping) into one safetensors shard of
 a shared folder; rank 0 then adds the index and the non-weight files (config, tokenizer) of the
 model the servers were started from, and renames the folder into place, so a server never sees a
 half-written version.
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.convert.arch import ModelArch
 from megatron_areal.convert.hf_io import INDEX, copy_non_weights
-from megatron_areal.convert.weights import export_hf_weights
+from megatron_areal.realloc.gather import stage_hf_tensors
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def write_stage(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: Para
         return {}, 0
     head = groups.tp_rank == 0
     tensors = {name: t.contiguous().cpu()
-               for name, t in export_hf_weights(chunks, arch, groups.tp_group, groups.tp, dtype=dtype) if head}
+               for name, t in stage_hf_tensors(chunks, arch, groups.tp_group, groups.tp, head=head, dtype=dtype)}
     if not head:
         return {}, 0
     fname = shard_name(groups.pp_rank, groups.pp)
