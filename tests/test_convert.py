@@ -87,6 +87,34 @@ def pool():
         yield p
 
 
+def export_stage(hf_dir: str, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """Worker: load HF weights into this rank's stage, export them back (TP-gathered) as HF tensors."""
+    from megatron_areal.actor.model import build_model
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.convert.weights import export_hf_weights, load_hf_weights
+
+    arch = load_arch(hf_dir)
+    groups = init_parallel(tp=tp, pp=pp, backend="gloo")
+    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
+    load_hf_weights(chunks, hf_dir, arch, groups.tp_rank, groups.tp)
+    out = {name: t.clone() for name, t in export_hf_weights(chunks, arch, groups.tp_group, groups.tp)}
+    teardown_parallel()
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_qwen3"])
+def test_live_model_export_gives_back_the_hf_tensors(fixture, request, pool):
+    hf_dir = request.getfixturevalue(fixture)
+    per_rank = pool.run(export_stage, str(hf_dir), 2, 2)
+    ref = load_file(str(hf_dir / "model.safetensors"))
+    for rank, exported in enumerate(per_rank):  # ranks 0, 1: first stage; 2, 3: last stage
+        assert set(exported) < set(ref)
+        for name, t in exported.items():
+            assert torch.equal(t, ref[name]), (rank, name)
+    assert set(per_rank[0]) | set(per_rank[2]) == set(ref)
+    assert per_rank[0].keys() == per_rank[1].keys()  # both TP ranks yield every tensor of the stage
+
+
 def _bitwise_equal(a_dir: Path, b_dir: Path) -> None:
     a, b = load_file(str(a_dir / "model.safetensors")), load_file(str(b_dir / "model.safetensors"))
     assert sorted(a) == sorted(b)
@@ -211,3 +239,22 @@ def test_cli_reports_bad_input_in_one_line(tiny_llama, tmp_path, capsys):
     assert err.startswith("error: ") and "supported: llama, qwen2, qwen3" in err
     assert main(["hf-to-mcore", "--hf", str(tiny_llama), "--out", str(tmp_path / "o2"), "--tp", "3"]) == 1
     assert "tp=3" in capsys.readouterr().err
+
+
+def test_sharded_folder_reads_like_single_file_and_missing_shard_is_named(tiny_qwen2, tmp_path):
+    from megatron_areal.convert.hf_io import INDEX, HFReader, copy_non_weights, write_hf_weights
+
+    arch = load_arch(tiny_qwen2)
+    single = HFReader(tiny_qwen2, arch)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    copy_non_weights(tiny_qwen2, sharded)
+    write_hf_weights(sharded, ((n, single.get(n)) for n in mapping.hf_tensor_names(arch)), max_shard_bytes=100_000)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (sharded / INDEX).is_file()
+    reader = HFReader(sharded, arch)
+    for name in mapping.hf_tensor_names(arch):
+        assert torch.equal(reader.get(name), single.get(name)), name
+    shards[1].unlink()
+    with pytest.raises(HFFormatError, match=rf"{shards[1]}: shard listed in .*{INDEX} is missing"):
+        HFReader(sharded, arch)
