@@ -258,3 +258,15 @@ def test_sharded_folder_reads_like_single_file_and_missing_shard_is_named(tiny_q
     shards[1].unlink()
     with pytest.raises(HFFormatError, match=rf"{shards[1]}: shard listed in .*{INDEX} is missing"):
         HFReader(sharded, arch)
+
+
+def test_tensor_without_megatron_counterpart_is_refused(tiny_llama, tmp_path):
+    from safetensors.torch import save_file
+
+    src = _copy_model(tiny_llama, tmp_path / "m")
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)  # Llama with attention_bias
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFFormatError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.o_proj\.bias' "
+                                            r"has no Megatron counterpart"):
+        hf_to_mcore(src, tmp_path / "out")

@@ -81,6 +81,11 @@ class HFReader:
         return self._handles[path]
 
     def _validate(self) -> None:
+        needed = set(mapping.hf_tensor_names(self.arch))
+        for name, path in self._files.items():
+            if name not in needed and not self._ignorable(name):
+                raise HFFormatError(f"{path}: tensor {name!r} has no Megatron counterpart for this "
+                                    f"{self.arch.model_type} config (dropping it would change the model)")
         for name in mapping.hf_tensor_names(self.arch):
             if name not in self._files:
                 raise HFFormatError(f"{self.dir}: tensor {name!r} is missing from the safetensors files")
@@ -94,6 +99,10 @@ class HFReader:
                 raise HFFormatError(f"{path}: tensor {name!r} has shape {shape}, "
                                     f"but {self.dir / 'config.json'} implies {want}")
         self._check_sizes()
+
+    def _ignorable(self, name: str) -> bool:
+        # Tied models sometimes store the output layer anyway; old exports store RoPE tables.
+        return (name == "lm_head.weight" and self.arch.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq")
 
     def _check_sizes(self) -> None:
         """A truncated file can still have an intact header; compare its size with the header's."""
