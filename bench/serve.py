@@ -104,13 +104,19 @@ def main() -> None:
     eos = {tok.eos_token_id}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
+    load_before = os.getloadavg()[0]
     hf_s, hf_tokens, hf_lat = run_hf(path, prompts, args.max_new_tokens, eos, pad)
+    load_mid = os.getloadavg()[0]
     with start_embedded(path, args=["--max-running", str(BATCH), "--context-length", "1024",
                                     "--skip-tokenizer-init"], threads=args.threads, timeout_s=300) as srv:
         sv_s, sv_tokens, sv_lat = asyncio.run(run_server(srv.url, prompts, args.max_new_tokens))
+    load_after = os.getloadavg()[0]
 
     print(f"model {path.name}, {len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, "
           f"{args.threads} threads, concurrency {BATCH}")
+    # The machine may be shared: the 1-minute load average shows how comparable the two phases were.
+    print(f"load average: {load_before:.1f} before, {load_mid:.1f} between, {load_after:.1f} after "
+          f"on {os.cpu_count()} CPUs")
     print(f"{'':28}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'p50 s':>8}{'p99 s':>8}")
     for name, s, n, lat in (("transformers generate (b32)", hf_s, hf_tokens, hf_lat),
                             ("embedded server", sv_s, sv_tokens, sv_lat)):
