@@ -28,7 +28,8 @@ _STATE: dict[str, Any] = {}  # per worker process: the trainer's model and Weigh
 
 
 # ---- trainer side (runs on every rank of the pool) ------------------------------------------
-def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, tp: int = TP, pp: int = PP) -> None:
+def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, tp: int = TP, pp: int = PP,
+             flat: bool = True) -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.convert.arch import load_arch
@@ -43,7 +44,7 @@ def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, t
     arch = load_arch(model_dir)
     chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
-    config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=10.0, master_address="127.0.0.1")
+    config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=10.0, master_address="127.0.0.1", flattened_bucket=flat)
     disk = ReallocConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0, master_address="127.0.0.1")
     _STATE.update(groups=groups, arch=arch, chunks=chunks, model_dir=model_dir,
                   sync=WeightSync(chunks, arch, groups, urls, config=config),
@@ -293,9 +294,13 @@ def test_server_that_stops_answering_times_out(world: dict[str, Any]) -> None:
 
 
 def test_data_parallel_replicas_send_once(world: dict[str, Any]) -> None:
-    """TP2 x DP2: only replica 0's head sends; the other replica waits and agrees on the outcome."""
+    """TP2 x DP2: only replica 0's head sends; the other replica waits and agrees on the outcome.
+
+    This layout also sends one broadcast per tensor (no flattened buckets), as SGLang before 0.5.23 needs.
+    """
     survivor = world["servers"][0]
-    world["pool"].run(_w_setup, str(world["model"]), [survivor.url], 0.05, str(world["root"] / "disk-dp"), 2, 1)
+    world["pool"].run(_w_setup, str(world["model"]), [survivor.url], 0.05, str(world["root"] / "disk-dp"), 2, 1,
+                      False)
     from megatron_areal.server.weights import read_safetensors
 
     results = world["pool"].run(_w_sync, "7")

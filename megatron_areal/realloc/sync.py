@@ -129,8 +129,9 @@ class WeightSync:
             return
         newcomer = {url: tp or self.server_tp}
         if self.version is not None:
-            if self._pause([url]):
-                raise WeightSyncError(f"{url}: joining server does not answer")
+            lost = self._pause([url])
+            if lost:
+                raise WeightSyncError(f"joining server does not answer: {lost[url]}")
             outcome = self._push(self.version, newcomer, temporary=True)
             if outcome.errors:
                 raise WeightSyncError("late server did not take the current weights: "
@@ -187,7 +188,7 @@ class WeightSync:
         dead: dict[str, str] = {}
         if self.rank0 and errors:
             assert self.pool is not None
-            health = self.pool.healthy([u for u in errors if u in self.servers])
+            health = self.pool.healthy(list(errors))  # members, or a server being added
             dead = {u: errors[u] for u, ok in health.items() if not ok}
         dead = self._from_rank0(dead)
         for url, message in dead.items():
