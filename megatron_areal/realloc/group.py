@@ -21,7 +21,7 @@ class WeightUpdateGroup:
 
     def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "gloo",
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, device: torch.device | str | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"weight update group {group_name!r}: rank {rank} outside world of {world_size}")
         if backend not in ("gloo", "nccl"):
@@ -44,7 +44,10 @@ class WeightUpdateGroup:
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            # Pass the device explicitly from worker threads: their current CUDA device is cuda:0.
+            self.device = torch.device(device) if device is not None else \
+                torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
             self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:

@@ -47,6 +47,8 @@ class Engine:
         self.model_path, self.opts = str(model_path), opts
         self.arch: ModelArch = load_arch(model_path)
         self.device = torch.device(opts.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = parse_dtype(opts.dtype) if opts.dtype else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.max_len = opts.context_length or min(self.arch.max_position_embeddings, 2048)
@@ -235,7 +237,8 @@ class Engine:
         try:
             self.groups[group_name] = WeightUpdateGroup(
                 master_address=master_address, master_port=master_port, rank=rank_offset,
-                world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s)
+                world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s,
+                device=self.device if backend == "nccl" else None)
         except (RuntimeError, ValueError) as e:  # timeouts and refused connections included
             raise WeightError(f"could not join weight update group {group_name!r} at "
                               f"{master_address}:{master_port}: {e}") from None
