@@ -123,6 +123,8 @@ class Engine:
 
     # ---- the model runner loop -----------------------------------------------------------
     def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # kernels and allocations of this thread
         while True:
             self._work.wait()
             with self._lock:
