@@ -8,7 +8,7 @@ else. The servers run the real embedded server in their main thread and the raw 
 side thread. Prints seconds per sync, bytes moved, the effective-bandwidth ratio and the stage
 heads' peak extra memory (resident-set high-water mark during a sync) against one bucket.
 
-    python bench/weight_sync.py [--hidden 512 --layers 8 --bucket-mb 16 --repeats 3]
+    python bench/weight_sync.py [--hidden 512 --layers 8 --bucket-mb 16 --repeats 3 --tp 2 --pp 2]
 
 Last line: ``RESULT weight_sync_vs_raw <ratio>`` (raw seconds / sync seconds, medians).
 """
@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-TP, PP = 2, 2
 _STATE: dict[str, Any] = {}
 
 
@@ -68,7 +67,7 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _t_setup(model_dir: str, urls: list[str], bucket_mb: float) -> None:
+def _t_setup(model_dir: str, urls: list[str], bucket_mb: float, tp: int, pp: int) -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.convert.arch import load_arch
@@ -76,9 +75,9 @@ def _t_setup(model_dir: str, urls: list[str], bucket_mb: float) -> None:
     from megatron_areal.realloc.config import ReallocConfig
     from megatron_areal.realloc.sync import WeightSync
 
-    groups = init_parallel(tp=TP, pp=PP, backend="gloo")
+    groups = init_parallel(tp=tp, pp=pp, backend="gloo")
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=TP, pp=PP, pp_rank=groups.pp_rank)
+    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
     config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=300.0, master_address="127.0.0.1")
     _STATE.update(groups=groups, sync=WeightSync(chunks, arch, groups, urls, config=config))
@@ -164,6 +163,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--bucket-mb", type=float, default=16.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -185,22 +186,22 @@ def main() -> None:
     # Trainer ranks only: a fixed mmap threshold returns large blocks to the OS when freed, so the
     # resident-set high-water mark during a sync measures what the sync itself held at once.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
-    pool = WorkerPool(TP * PP, timeout_s=1800)
+    pool = WorkerPool(args.tp * args.pp, timeout_s=1800)
     try:
         for url in urls:
             _wait_healthy(url)
-        pool.run(_t_setup, str(model), urls, args.bucket_mb)
+        pool.run(_t_setup, str(model), urls, args.bucket_mb, args.tp, args.pp)
         pool.run(_t_sync, "warmup")  # forms the stage groups
         pieces = pool.run(_t_record_pieces)
-        raw_ports = [free_port() for _ in range(PP)]
+        raw_ports = [free_port() for _ in range(args.pp)]
         world = 1 + len(servers)
-        for stage in range(PP):
+        for stage in range(args.pp):
             for i, (inbox, _) in enumerate(links):
                 inbox.put(("join", f"raw{stage}", {"master_address": "127.0.0.1", "master_port": raw_ports[stage],
                                                    "rank": 1 + i, "world_size": world, "timeout_s": 300}))
         pool.run(_t_raw_join, raw_ports, world)
         heads = {r["stage"]: rank for rank, r in enumerate(pool.run(_t_sync, "check")) if r["head"]}
-        _acks(links)
+        _acks(links, args.pp)
         syncs, raws = [], []
         for i in range(args.repeats):
             results = pool.run(_t_sync, str(i + 1))
@@ -209,7 +210,7 @@ def main() -> None:
                 for inbox, _ in links:
                     inbox.put(("recv", f"raw{stage}", {"pieces": pieces[rank]}))
             raws.append(max(pool.run(_t_raw)))
-            _acks(links)
+            _acks(links, args.pp)
         _report(args, syncs, raws, heads, pieces)
     finally:
         try:
@@ -222,9 +223,9 @@ def main() -> None:
                 s.join(timeout=30)
 
 
-def _acks(links: list[tuple[Any, Any]]) -> None:
+def _acks(links: list[tuple[Any, Any]], stages: int) -> None:
     for _, outbox in links:
-        for _ in range(PP):
+        for _ in range(stages):
             outbox.get(timeout=300)
 
 
@@ -235,8 +236,8 @@ def _report(args: argparse.Namespace, syncs: list[list[dict[str, Any]]], raws: l
     first = syncs[0]
     per_server = first[0]["bytes"]
     bucket = int(args.bucket_mb * 2**20)
-    print(f"model: llama hidden={args.hidden} layers={args.layers}, trainer TP{TP} PP{PP}, 2 embedded servers, "
-          f"bucket {args.bucket_mb:g} MiB, {args.repeats} repeats (medians)")
+    print(f"model: llama hidden={args.hidden} layers={args.layers}, trainer TP{args.tp} PP{args.pp}, "
+          f"2 embedded servers, bucket {args.bucket_mb:g} MiB, {args.repeats} repeats (medians)")
     print(f"bytes per server:        {per_server / 2**20:10.1f} MiB in {sum(len(p) for p in pieces)} buckets "
           f"({per_server * 2 / 2**20:.1f} MiB sent in all)")
     print(f"seconds per sync:        {sync_s:10.3f}   ({per_server * 2 / sync_s / 2**20:.1f} MiB/s effective)")
