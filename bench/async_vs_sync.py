@@ -17,6 +17,16 @@ keeps the server's batch full and trains while generating. SmolLM2-135M gives a 
 high temperature but decodes at about 30 tokens/s on one shared CPU thread, too slow for a
 benchmark that runs in minutes.
 
+What bounds the gain on a CPU: the embedded server's decode step costs far more with a full
+batch than with the few sequences of a synchronous tail (tiny-llama, one thread, measured on a
+loaded 2-core machine: 5 ms at batch 1, 9 ms at 8, 17 ms at 32, 30 ms at 64 with ~100-token
+contexts, and 55 ms at 64 with ~400-token contexts, since attention pads every row to the
+longest context in the batch), so keeping the batch full buys less than on a GPU; training is
+only about a third of a synchronous step, which caps what overlapping can save; and each weight
+update interrupts the samples in flight, which the server then prefills again. The machine's
+other load changes from run to run, so the pairs are interleaved and repeated, and the result
+is the ratio of the totals.
+
 Measured per run, over the training loop only (model loading and server start-up are the same
 for both and excluded): wall time (sum of step times), trained tokens/s (response tokens in the
 trained batches), trained samples/s, the trainer's idle fraction (time waiting for a batch) and
@@ -59,6 +69,7 @@ class RunFigures:
     len_batch_max: float
     truncated: float
     staleness_max: float
+    interrupted: float
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,9 +86,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(args: argparse.Namespace, mode: str, run_dir: Path) -> dict:
+def run_config(args: argparse.Namespace, mode: str, run_dir: Path, seed: int) -> dict:
     return {
-        "train": {"run_dir": str(run_dir), "steps": args.steps, "eval_every": 0, "seed": args.seed},
+        "train": {"run_dir": str(run_dir), "steps": args.steps, "eval_every": 0, "seed": seed},
         "model": {"path": args.model, "max_seq_len": args.max_seq_len},
         "optimizer": {"distributed": False},
         "rollout": {"batch_size": args.batch_size, "group_size": args.group_size,
@@ -86,17 +97,18 @@ def run_config(args: argparse.Namespace, mode: str, run_dir: Path) -> dict:
         "staleness": MODES[mode],
         "server": {"count": 1, "max_running": args.max_concurrent * args.group_size, "base_port": free_port()},
         "cluster": {"master_port": free_port()},
-        "data": {"train": "arithmetic", "eval": "", "seed": args.seed},
+        "data": {"train": "arithmetic", "eval": "", "seed": seed},
         "reward": {"workers": 1},
         "checkpoint": {"every": 0},
         "logging": {"progress": False},
     }
 
 
-def run(args: argparse.Namespace, mode: str, root: Path) -> RunFigures:
+def run(args: argparse.Namespace, mode: str, root: Path, seed: int) -> RunFigures:
+    root.mkdir(parents=True, exist_ok=True)
     run_dir = root / mode
     config = root / f"{mode}.yaml"
-    config.write_text(yaml.safe_dump(run_config(args, mode, run_dir)))
+    config.write_text(yaml.safe_dump(run_config(args, mode, run_dir, seed)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "megatron_areal.cli", "train", str(config)], env=env,
@@ -128,7 +140,8 @@ def figures(mode: str, run_dir: Path, process_s: float) -> RunFigures:
         gen_tokens_per_s=weighted("perf/gen_tokens_per_s"),
         len_mean=mean("rollout/response_len_mean"), len_batch_max=mean("rollout/response_len_max"),
         truncated=mean("rollout/truncated_fraction"),
-        staleness_max=max(r["rollout/staleness_max"] for r in steps))
+        staleness_max=max(r["rollout/staleness_max"] for r in steps),
+        interrupted=mean("rollout/interrupted_fraction"))
 
 
 def report(results: list[RunFigures]) -> None:
@@ -145,8 +158,9 @@ def report(results: list[RunFigures]) -> None:
         ("response length: mean / batch max", lambda f: f"{f.len_mean:.0f} / {f.len_batch_max:.0f}"),
         ("truncated fraction", lambda f: f"{f.truncated:.3f}"),
         ("max staleness trained", lambda f: f"{f.staleness_max:.0f}"),
+        ("interrupted fraction (re-prefilled)", lambda f: f"{f.interrupted:.2f}"),
     ]
-    print(f"{'':36}" + "".join(f"{f.mode:>14}" for f in results))
+    print(f"{'':36}" + "".join(f"{f.mode:>14}" for f in results), flush=True)
     for label, fmt in rows:
         print(f"{label:36}" + "".join(f"{fmt(f):>14}" for f in results))
 
@@ -161,17 +175,28 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-concurrent", type=int, default=16, help="groups in flight (async); server slots = x group")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="of the first repeat; repeat i uses seed + i")
+    p.add_argument("--repeats", type=int, default=3, help="sync/async pairs, run interleaved")
     p.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
     p.add_argument("--keep", help="keep the run directories under this folder")
     args = p.parse_args()
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="async_vs_sync-"))
     root.mkdir(parents=True, exist_ok=True)
-    results = [run(args, mode, root) for mode in MODES]
-    report(results)
-    sync, asyn = results
-    print(f"RESULT async_vs_sync {asyn.tokens_per_s / sync.tokens_per_s:.2f}")
+    pairs = []
+    # Interleaved, so a change in the machine's load hits both modes; each repeat samples a new
+    # seed (prompts, sampling, initial order), the same for both modes.
+    for i in range(args.repeats):
+        pair = [run(args, mode, root / f"rep{i}", args.seed + i) for mode in MODES]
+        report(pair)
+        pairs.append(pair)
+        print(f"repeat {i}: async/sync trained tokens/s {pair[1].tokens_per_s / pair[0].tokens_per_s:.2f}\n",
+              flush=True)
+    sync_tokens, async_tokens = (sum(p[k].tokens for p in pairs) for k in (0, 1))
+    sync_s, async_s = (sum(p[k].loop_s for p in pairs) for k in (0, 1))
+    print(f"all {args.repeats} repeats: sync {sync_tokens / sync_s:.1f} trained tokens/s over {sync_s:.0f} s, "
+          f"async {async_tokens / async_s:.1f} over {async_s:.0f} s")
+    print(f"RESULT async_vs_sync {(async_tokens / async_s) / (sync_tokens / sync_s):.2f}")
 
 
 if __name__ == "__main__":
