@@ -145,3 +145,18 @@ def test_keeps_newest_and_ignores_unfinished(pool, tiny_llama, tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
     assert latest_checkpoint(tmp_path).name == "step_00000003"
     assert latest_checkpoint(tmp_path / "absent") is None
+
+
+def test_training_checkpoint_converts_to_hf(reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_areal.convert.convert import mcore_to_hf
+
+    root, ref = reference
+    out = mcore_to_hf(latest_checkpoint(root), tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for seq, megatron_logprobs in zip(EVAL, ref["saved"], strict=True):
+            ids = torch.tensor([seq])
+            logp = torch.log_softmax(model(ids).logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+            assert (logp - megatron_logprobs).abs().max().item() <= 1e-4

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.convert import dist_ckpt
 from megatron_areal.convert.arch import ModelArch
+from megatron_areal.convert.hf_io import HFReader
 from megatron_areal.convert.weights import unwrap
 
 log = logging.getLogger(__name__)
@@ -134,11 +135,15 @@ class Checkpointer:
     """Save and resume the training state of one run under ``root`` (collective calls)."""
 
     def __init__(self, root: str | Path, arch: ModelArch, groups: ParallelGroups, *, keep: int = 2,
-                 hf_dir: str | Path | None = None, hf_dtype: torch.dtype = torch.float32) -> None:
+                 hf_dir: str | Path | None = None, hf_dtype: torch.dtype | None = None) -> None:
+        """``hf_dir``: the model's HF folder; its config and tokenizer travel with every checkpoint and
+        its weight dtype (unless ``hf_dtype`` is given) becomes the dtype ``mcore-to-hf`` writes."""
         if keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
         self.root, self.arch, self.groups, self.keep = Path(root), arch, groups, keep
         self.hf_dir = Path(hf_dir) if hf_dir else None
+        if hf_dtype is None:
+            hf_dtype = HFReader(self.hf_dir, arch).dtype() if self.hf_dir else torch.float32
         self.hf_dtype = hf_dtype
 
     def _state(self, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, is_loading: bool,
@@ -162,7 +167,11 @@ class Checkpointer:
 
     def save(self, step: int, model: list[torch.nn.Module], optimizer: Any, scheduler: Any,
              extra: dict[str, Any] | None = None) -> Path:
-        """Write checkpoint ``step`` on all ranks; returns its final path."""
+        """Write checkpoint ``step`` on all ranks; returns its final path.
+
+        ``extra`` is the trainer's own state (policy version, dataset position, replay buffer):
+        plain Python data and tensors, pickled once by rank 0, so it must be equal on all ranks.
+        """
         from megatron.core import dist_checkpointing
 
         final = self.root / f"step_{step:08d}"
@@ -178,8 +187,8 @@ class Checkpointer:
         dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
         self._barrier()
         if dist.get_rank() == 0:
-            dist_ckpt.write_meta(tmp, self.arch, self.hf_dir, self.hf_dtype, self.groups.tp, self.groups.pp)
-            self._write_layout(tmp)
+            g = self.groups
+            dist_ckpt.write_meta(tmp, self.arch, self.hf_dir, self.hf_dtype, g.tp, g.pp, g.dp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -188,15 +197,10 @@ class Checkpointer:
         log.info("saved checkpoint %s", final)
         return final
 
-    def _write_layout(self, path: Path) -> None:
-        (path / "layout.txt").write_text(f"{self.groups.tp} {self.groups.pp} {self.groups.dp}\n")
-
     def _same_layout(self, path: Path) -> bool:
-        try:
-            tp, pp, dp = map(int, (path / "layout.txt").read_text().split())
-        except (OSError, ValueError):
-            return False
-        return (tp, pp, dp) == (self.groups.tp, self.groups.pp, self.groups.dp)
+        meta = dist_ckpt.read_meta(path)
+        saved = (meta.get("saved_tp"), meta.get("saved_pp"), meta.get("saved_dp"))
+        return saved == (self.groups.tp, self.groups.pp, self.groups.dp)
 
     def _prune(self) -> None:
         for _, path in list_checkpoints(self.root)[:-self.keep]:

@@ -46,10 +46,10 @@ class CheckpointReadError(ValueError):
 
 
 def write_meta(ckpt_dir: Path, arch: ModelArch, hf_dir: Path | None, hf_dtype: torch.dtype,
-               tp: int, pp: int) -> None:
+               tp: int, pp: int, dp: int = 1) -> None:
     """Describe the model next to the tensors; copy the HF config and tokenizer files along."""
     meta = {"format_version": FORMAT_VERSION, "arch": arch.to_dict(), "hf_dtype": str(hf_dtype).removeprefix("torch."),
-            "saved_tp": tp, "saved_pp": pp}
+            "saved_tp": tp, "saved_pp": pp, "saved_dp": dp}
     (ckpt_dir / META).write_text(json.dumps(meta, indent=2))
     if hf_dir is not None:
         dst = ckpt_dir / HF_FILES
