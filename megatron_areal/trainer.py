@@ -132,7 +132,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
         actor.set_reference()
 
     run_dir = Path(cfg.train.run_dir)
-    checkpoints = Checkpointer(run_dir / "checkpoints", arch, groups, keep=cfg.checkpoint.keep, hf_dir=hf_dir)
+    checkpoints = Checkpointer(cfg.checkpoint.root(run_dir), arch, groups, keep=cfg.checkpoint.keep, hf_dir=hf_dir)
     step, extra = 0, {}
     latest = checkpoints.latest() if cfg.checkpoint.resume else None
     if latest is not None:
