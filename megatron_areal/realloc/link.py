@@ -13,6 +13,8 @@ import socket
 import time
 from dataclasses import dataclass
 
+import torch
+
 from megatron_areal.realloc.buckets import Bucket
 from megatron_areal.realloc.fleet import ServerPool, wait_all
 from megatron_areal.realloc.group import WeightUpdateGroup
@@ -46,7 +48,7 @@ class StageLink:
     """The head side of one stage's group with a fixed set of servers."""
 
     def __init__(self, pool: ServerPool, servers: dict[str, int], *, stage: int, generation: int,
-                 master_address: str, backend: str, timeout_s: float) -> None:
+                 master_address: str, backend: str, timeout_s: float, device: torch.device | None = None) -> None:
         self.pool, self.stage, self.timeout_s = pool, stage, timeout_s
         offset, members = 1, []
         for url, tp in servers.items():
@@ -54,7 +56,7 @@ class StageLink:
             offset += tp
         self.members, self.world_size = members, offset
         self.group_name = f"realloc-stage{stage}-gen{generation}"
-        self.master_address, self.backend = master_address, backend
+        self.master_address, self.backend, self.device = master_address, backend, device
         self.group: WeightUpdateGroup | None = None
 
     @property
@@ -71,7 +73,8 @@ class StageLink:
         try:
             self.group = WeightUpdateGroup(master_address=self.master_address, master_port=port, rank=0,
                                            world_size=self.world_size, group_name=self.group_name,
-                                           backend=self.backend, timeout_s=self.timeout_s)
+                                           backend=self.backend, timeout_s=self.timeout_s,
+                                           device=self.device if self.backend == "nccl" else None)
         except RuntimeError as e:  # some rank never arrived; the HTTP replies say which
             errors = wait_all(futures, self.timeout_s)
             return errors or {url: f"{url}: joining {self.group_name}: {e}" for url in self.urls}

@@ -262,7 +262,7 @@ class WeightSync:
         assert self.pool is not None
         link = StageLink(self.pool, servers, stage=self.groups.pp_rank, generation=self._generation,
                          master_address=self.master_address, backend=self.backend,
-                         timeout_s=self.config.timeout_s)
+                         timeout_s=self.config.timeout_s, device=self.groups.device)
         errors = link.form()
         if errors:
             link.destroy([u for u in servers if u not in errors])
