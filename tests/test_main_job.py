@@ -39,7 +39,9 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
+    """Nothing listens on ``port`` (connections of a stopped server lingering in TIME_WAIT don't count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -67,7 +69,14 @@ def tiny_config(run_dir: Path) -> dict:
 
 def train(config: Path, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "megatron_areal.cli", "train", str(config), *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # SIGTERM: the launcher stops its servers and trainer on the way out
+            out, err = proc.communicate(timeout=60)
+            pytest.fail(f"train did not finish within {timeout:.0f} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:

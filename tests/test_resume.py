@@ -87,10 +87,19 @@ def wait_for_steps(launcher: subprocess.Popen, root: Path, n: int, timeout_s: fl
 
 def trainer_of(launcher: subprocess.Popen) -> tuple[psutil.Process, list[psutil.Process]]:
     """The trainer process and every process below the launcher (servers, trainer, its workers)."""
-    procs = psutil.Process(launcher.pid).children(recursive=True)
-    trainers = [p for p in procs if "megatron_areal.launch.trainer_main" in " ".join(p.cmdline())]
-    assert len(trainers) == 1, [p.cmdline() for p in procs]
+    launcher_proc = psutil.Process(launcher.pid)
+    # Only a direct child: the trainer's forked workers (reward pool) carry the same command line.
+    trainers = [p for p in launcher_proc.children() if "megatron_areal.launch.trainer_main" in _cmdline(p)]
+    procs = launcher_proc.children(recursive=True)
+    assert len(trainers) == 1, [_cmdline(p) for p in procs]
     return trainers[0], procs
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.NoSuchProcess:  # a short-lived helper that exited meanwhile
+        return ""
 
 
 def survivors(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
@@ -143,11 +152,12 @@ def kill_trainer_mid_run(config: Path, root: Path) -> None:
         os.kill(trainer.pid, signal.SIGKILL)
         rc = launcher.wait(timeout=120)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        if launcher.poll() is None:  # the test failed early: SIGTERM lets the launcher stop its children
+            launcher.terminate()
+            launcher.wait(timeout=60)
     assert rc != 0, "the launcher reported success although its trainer was killed"
     left = survivors(procs, timeout_s=30)
-    assert not left, f"processes outlived the launcher: {[(p.pid, p.cmdline()) for p in left]}"
+    assert not left, f"processes outlived the launcher: {[(p.pid, _cmdline(p)) for p in left]}"
 
 
 @pytest.mark.slow
@@ -162,11 +172,16 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
     waiting = [g["prompt_index"] for g in rollout["buffer"]["groups"]] + list(rollout["requeue"])
     assert waiting, "nothing was buffered or in flight at the checkpoint; the re-queue is untested"
 
-    second = subprocess.run([sys.executable, "-m", "megatron_areal.cli", "train", str(config)],
-                            capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    (tmp_path / "launcher-2.out").write_text(second.stdout + second.stderr)
-    assert second.returncode == 0, run_logs(tmp_path)
-    assert f"(step {step})" in (run_dir / "logs/trainer.log").read_text(), "the restart did not resume"
+    second = launch(config, tmp_path / "launcher-2.out")
+    try:
+        rc = second.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if second.poll() is None:
+            second.terminate()
+            second.wait(timeout=60)
+    assert rc == 0, run_logs(tmp_path)
+    resumed = [line for line in (run_dir / "logs/trainer.log").read_text().splitlines() if "resumed from" in line]
+    assert len(resumed) == 1 and resumed[0].endswith(f"(step {step})"), f"the restart did not resume: {resumed}"
 
     ledger = read_ledger(run_dir)
     assert [e["step"] for e in ledger] == list(range(1, STEPS + 1)), "a step is missing or repeated"
