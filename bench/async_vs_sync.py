@@ -32,7 +32,7 @@ for both and excluded): wall time (sum of step times), trained tokens/s (respons
 trained batches), trained samples/s, the trainer's idle fraction (time waiting for a batch) and
 the generator's idle fraction (time the server had no request), step-time weighted.
 
-    python bench/async_vs_sync.py [--steps 10 --batch-size 8 --group-size 4 --max-new-tokens 400]
+    python bench/async_vs_sync.py [--steps 20 --batch-size 8 --group-size 4 --max-new-tokens 400]
 
 Last line: ``RESULT async_vs_sync <ratio>`` (trained tokens/s, asynchronous / synchronous).
 """
@@ -168,7 +168,9 @@ def report(results: list[RunFigures]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20,
+                   help="asynchronous generation runs ahead and what is in flight at the end is never "
+                        "trained, so short runs understate it")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per step")
     p.add_argument("--group-size", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=400)
