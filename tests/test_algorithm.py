@@ -137,3 +137,16 @@ def test_staleness_capacity(eta, version, accepted, running, expected):
 def test_staleness_capacity_rejects_impossible_counts():
     with pytest.raises(ValueError, match="running"):
         staleness_capacity(eta=1, version=0, batch_size=4, accepted=0, running=-1, max_concurrent=8)
+
+
+def test_single_minibatch_proximal_is_the_detached_training_logprobs():
+    # With one optimizer step per batch the actor uses logp.detach() as pi_prox instead of a second
+    # forward; loss and gradient must equal those with an explicitly recomputed proximal tensor.
+    logp, _, behav, adv, mask = _inputs(seed=5)
+    a = logp.clone().requires_grad_(True)
+    b = logp.clone().requires_grad_(True)
+    loss_a, stats_a = decoupled_ppo_loss(a, a.detach(), behav, adv, mask, behav_imp_weight_cap=5.0)
+    loss_b, stats_b = decoupled_ppo_loss(b, logp.clone(), behav, adv, mask, behav_imp_weight_cap=5.0)
+    (ga,) = torch.autograd.grad(loss_a, a)
+    (gb,) = torch.autograd.grad(loss_b, b)
+    assert torch.equal(loss_a, loss_b) and torch.equal(ga, gb) and stats_a == stats_b

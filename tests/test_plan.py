@@ -172,3 +172,11 @@ def test_dry_run_eta_missing_and_invalid(tmp_path: Path, capsys: pytest.CaptureF
     assert rc == 2 and "staleness.eta: must be >= 0" in out
     rc, out = _dry([str(no_eta), "--dry-run", "staleness.eta=16"], capsys)
     assert rc == 0 and "warning: staleness.eta = 16" in out
+
+
+def test_cpu_roles_get_their_thread_count_and_gpu_roles_do_not():
+    from megatron_areal.launch.commands import role_env
+
+    assert role_env((), False, threads=3)["OMP_NUM_THREADS"] == "3"
+    env = role_env((0,), False, threads=3)
+    assert env.get("OMP_NUM_THREADS") != "3" and env["CUDA_VISIBLE_DEVICES"] == "0"

@@ -141,7 +141,8 @@ class Actor:
 
     # ---------------------------------------------------------------- PPO
     def ppo_update(self, trajectories: Sequence[Trajectory], temperature: float = 1.0) -> dict[str, float]:
-        """Recompute proximal logprobs, compute advantages, run ``ppo.n_minibatches`` optimizer steps.
+        """Recompute proximal logprobs (a no-grad forward, skipped with a single mini-batch where the
+        training forward yields them), compute advantages, run ``ppo.n_minibatches`` optimizer steps.
 
         Every rank passes the same full list. Returns, on every rank: ``loss``, ``clip_fraction``,
         ``importance_weight_mean``, ``entropy``, ``kl``, ``grad_norm`` (means over mini-batches),
@@ -157,13 +158,17 @@ class Actor:
                              f"got {len(trajectories)}")
         sequences = [t.input_ids for t in trajectories]
         behaviour = [t.behavior_logprobs for t in trajectories]
-        proximal = ([lp.tolist() for lp in self.compute_logprobs(sequences, temperature)]
-                    if cfg.decoupled else behaviour)
         values: dict[str, Sequence[Sequence[float]]] = {
             "loss_mask": [[float(m) for m in t.loss_mask] for t in trajectories],
-            "behaviour": behaviour, "proximal": proximal,
+            "behaviour": behaviour,
             "advantages": token_advantages(trajectories, sequence_advantages(trajectories, cfg.advantage),
                                            cfg.normalize_batch_advantage)}
+        if not cfg.decoupled:
+            values["proximal"] = behaviour
+        elif cfg.n_minibatches > 1:
+            values["proximal"] = [lp.tolist() for lp in self.compute_logprobs(sequences, temperature)]
+        # else: one optimizer step per batch, so the proximal policy is the very weights of the
+        # training forward; its detached logprobs are pi_prox exactly and no extra forward is needed.
         if cfg.kl_coef > 0:
             values["reference"] = [lp.tolist() for lp in self._reference_logprobs(sequences, temperature)]
         lengths = [len(s) for s in sequences]
@@ -188,7 +193,8 @@ class Actor:
         def ppo_loss(mb: PackedMicroBatch, lp: torch.Tensor, ent: torch.Tensor):
             v = mb.values
             mask = (v["loss_mask"] > 0) & mb.target_mask
-            loss, st = decoupled_ppo_loss(lp, v["proximal"], v["behaviour"], v["advantages"], mask,
+            proximal = v["proximal"] if "proximal" in v else lp.detach()
+            loss, st = decoupled_ppo_loss(lp, proximal, v["behaviour"], v["advantages"], mask,
                                           eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
                                           behav_imp_weight_cap=cfg.behav_imp_weight_cap,
                                           loss_scale_tokens=n_loss_tokens)

@@ -66,11 +66,16 @@ def visible_devices(local: tuple[int, ...], env: dict[str, str]) -> str | None:
     return ",".join(ids[i] for i in local)
 
 
-def role_env(gpus: tuple[int, ...], single_rank: bool, master: tuple[str, int] | None = None) -> dict[str, str]:
+def role_env(gpus: tuple[int, ...], single_rank: bool, master: tuple[str, int] | None = None,
+             threads: int | None = None) -> dict[str, str]:
+    """Environment of a role. ``threads`` pins torch's CPU threads of a CPU role, so that servers
+    and trainer ranks sharing a machine divide its cores instead of oversubscribing them."""
     env = dict(os.environ)
     devices = visible_devices(gpus, env)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
+    if threads is not None and not gpus:
+        env["OMP_NUM_THREADS"] = str(threads)
     if single_rank and master is not None:  # what torchrun would set for a world of one
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))

@@ -13,6 +13,7 @@ class ClusterConfig:
     gen_fraction: float = 0.75  # share of nodes that run rollout servers (when gen_nodes is 0)
     gen_nodes: int = 0  # rollout nodes; 0: round(nodes * gen_fraction), at least one of each role
     master_port: int = 29500  # torchrun rendezvous on the first trainer node
+    cpu_threads: int = 1  # torch threads per trainer rank on CPU nodes (servers: server.threads)
     cpu_dp: int = 1  # data-parallel size of a CPU trainer node (GPU: trainer GPUs / (tp * pp))
     server_port_stride: int = 10  # ports reserved per server (SGLang opens a few next to --port)
     gpu_memory_gb: float = 80.0  # per GPU, for the dry-run memory check
@@ -26,6 +27,7 @@ class ClusterConfig:
         require(self.gen_nodes >= 0, "gen_nodes", "must be >= 0")
         require(1024 <= self.master_port <= 65535, "master_port", "must be a port in 1024..65535")
         require(self.cpu_dp >= 1, "cpu_dp", "must be >= 1")
+        require(self.cpu_threads >= 1, "cpu_threads", "must be >= 1")
         require(self.server_port_stride >= 1, "server_port_stride", "must be >= 1")
         require(self.gpu_memory_gb > 0, "gpu_memory_gb", "must be positive")
         require(self.model_params_b >= 0, "model_params_b", "must be >= 0")

@@ -82,7 +82,8 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
     for i, slot in enumerate(plan.servers):
         name = f"server-{i}"
         servers[name] = slot
-        procs.start(name, server_command(slot, cfg, model_dir, paths["servers"]), role_env(slot.gpus, False))
+        procs.start(name, server_command(slot, cfg, model_dir, paths["servers"]),
+                    role_env(slot.gpus, False, threads=cfg.server.threads))
 
     def dead_server() -> str | None:
         for c in procs.exited():
@@ -93,7 +94,8 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
     wait_for_servers(paths["servers"], list(plan.servers), cfg.server.startup_timeout_s, dead_server)
     t = plan.trainer
     cmd = trainer_command(plan, 0, config_path, overrides, paths["plan"])
-    trainer = procs.start("trainer", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port)))
+    trainer = procs.start("trainer", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port),
+                                                   threads=cfg.cluster.cpu_threads))
     first = procs.wait_any()
     if first is trainer:
         rc = trainer.returncode() or 0

@@ -43,7 +43,7 @@ def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, pr
     if not slots:
         raise RuntimeError(f"the plan puts no rollout server on node {node}")
     started = [(slot, procs.start(f"server-{slot.id}", server_command(slot, cfg, cfg.model.path, reg),
-                                  role_env(slot.gpus, False))) for slot in slots]
+                                  role_env(slot.gpus, False, threads=cfg.server.threads))) for slot in slots]
     if cfg.server.engine == "sglang":
         try:
             _register_when_healthy(started, cfg, reg)
@@ -68,7 +68,8 @@ def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespac
     t = plan.trainer
     rank = t.nodes.index(node)
     cmd = trainer_command(plan, rank, args.config, args.overrides, args.plan)
-    child = procs.start(f"torchrun-{node}", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port)))
+    child = procs.start(f"torchrun-{node}", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port),
+                                                                 threads=cfg.cluster.cpu_threads))
     procs.wait_any()
     return child.returncode() or 0
 
