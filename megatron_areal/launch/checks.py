@@ -11,7 +11,7 @@ from pathlib import Path
 from megatron_areal.config import Config
 from megatron_areal.convert.arch import ModelArch, UnsupportedModelError, load_arch
 from megatron_areal.launch.plan import Plan
-from megatron_areal.sim.models import ModelShape
+from megatron_areal.sim.models import ModelShape, shape_from_arch
 from megatron_areal.sim.models import resolve_model as catalogue_model
 
 GB = 1e9
@@ -22,17 +22,6 @@ WEIGHT_GRAD_BYTES = 6
 OPTIMIZER_BYTES = 12
 # The paper's staleness ablation: AIME24 holds up to eta = 8 with decoupled PPO and drops at 16.
 ETA_WARN_ABOVE = 8
-
-
-def count_params(arch: ModelArch) -> int:
-    """Parameters of a dense llama/qwen2/qwen3 model."""
-    h, hd = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
-    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if arch.qkv_bias else 0) + (2 * hd if arch.qk_norm else 0)
-    mlp = 3 * h * arch.intermediate_size
-    layer = attn + mlp + 2 * h
-    embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
-    return arch.num_layers * layer + embed + h
 
 
 def model_arch(cfg: Config) -> ModelArch | None:
@@ -59,7 +48,7 @@ def catalogue_shape(cfg: Config) -> ModelShape | None:
 def model_params(cfg: Config, arch: ModelArch | None, shape: ModelShape | None) -> float | None:
     """From the local config.json, else cluster.model_params_b, else the catalogue."""
     if arch is not None:
-        return float(count_params(arch))
+        return float(shape_from_arch(cfg.model.path, arch).params)
     if cfg.cluster.model_params_b > 0:
         return cfg.cluster.model_params_b * 1e9
     return float(shape.params) if shape is not None else None
