@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from netutil import free_ports
 
 from megatron_areal.config import load_config
 from megatron_areal.launch.local import local_plan, port_free
@@ -20,16 +21,6 @@ from megatron_areal.launch.procs import ProcessSet
 from megatron_areal.launch.registry import LaunchError, wait_for_servers
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def procs_mentioning(text: str) -> list[psutil.Process]:

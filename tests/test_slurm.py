@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from collections import Counter
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from netutil import free_ports
 
 pytestmark = [
     pytest.mark.slurm,
@@ -30,16 +30,6 @@ def cluster() -> None:
     """The local cluster (a no-op when it is already up, as in CI)."""
     out = subprocess.run(["bash", str(ROOT / ".ci/slurm_up.sh")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f".ci/slurm_up.sh failed:\n{out.stdout}\n{out.stderr}"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def submit(run_dir: Path, *overrides: str) -> str:
