@@ -31,22 +31,18 @@ def eta_is_explicit(config_path: str, overrides: list[str]) -> bool:
 
 
 def dry_run(cfg: Config, args: argparse.Namespace) -> int:
-    if args.nodes is None and os.environ.get("SLURM_JOB_NODELIST"):
+    in_allocation = args.nodes is None and bool(os.environ.get("SLURM_JOB_NODELIST"))
+    if in_allocation:
         from megatron_areal.launch.slurm import read_allocation
         nodes, gpn = read_allocation(dict(os.environ))
     else:
         nodes = synthetic_nodes(args.nodes or cfg.cluster.nodes)
         gpn = cfg.cluster.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     plan = make_plan(nodes, gpn, cfg.cluster, cfg.server, cfg.parallel.tp, cfg.parallel.pp)
-    check_plan(plan, cfg, eta_is_explicit(args.config, args.overrides))
+    # inside the allocation the job starts from this filesystem, so its model must be here
+    check_plan(plan, cfg, eta_is_explicit(args.config, args.overrides), model_here=in_allocation)
     print(describe(plan, args.config))
     return 0 if plan.ok else 1
-
-
-def _model_dir(cfg: Config) -> str:
-    """Resolve a built-in model name once, here, so servers and trainer ranks never race to prepare it."""
-    from megatron_areal.assets import resolve_model
-    return str(resolve_model(cfg.model.path))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +66,8 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
             return dry_run(cfg, args)
-        model_dir = _model_dir(cfg)
+        from megatron_areal.launch.commands import resolved_model_path
+        model_dir = resolved_model_path(cfg)  # once, for servers and trainer alike
         overrides = [*args.overrides, f"model.path={model_dir}"]
         if args.slurm:
             from megatron_areal.launch.slurm import run_slurm

@@ -150,7 +150,7 @@ def test_dry_run_512_gpus_prints_the_plan(capsys: pytest.CaptureFixture[str]) ->
     (["--nodes", "16", "server.tp=1", "cluster.gpu_memory_gb=64"], "model too large for a server"),
     (["--nodes", "4", "--gpus-per-node", "4", "parallel.tp=8"], "tensor parallelism across nodes"),
     (["--nodes", "16", "rollout.batch_size=1", "rollout.group_size=1"], "exceeds the sequences of one step"),
-    (["--nodes", "16", "model.path=/nowhere/unknown-model"], "cannot size the model"),
+    (["--nodes", "16", "model.path=/nowhere/unknown-model"], "model.path '/nowhere/unknown-model' is neither"),
     (["--nodes", "16", "parallel.pp=3"], "64 layers are not divisible by parallel.pp (3)"),
     (["--nodes", "16", "model.path=deepseek-r1-distill-qwen-7b"], "28 attention heads / 4 KV heads cannot be split"),
 ])
@@ -180,3 +180,125 @@ def test_cpu_roles_get_their_thread_count_and_gpu_roles_do_not():
     assert role_env((), False, threads=3)["OMP_NUM_THREADS"] == "3"
     env = role_env((0,), False, threads=3)
     assert env.get("OMP_NUM_THREADS") != "3" and env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+# ---- Transformer Engine: required on GPUs unless the config opts out; sequence parallelism needs it
+
+
+def test_sequence_parallel_without_transformer_engine_is_refused_on_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron's local spec builds torch norms, which assert on sequence parallelism (torch_norm.py)."""
+    base = [str(ROOT / "configs/train_32b.yaml"), "--dry-run", "--nodes", "64", "--gpus-per-node", "8"]
+    rc, out = _dry([*base, "model.transformer_impl=local"], capsys)
+    assert rc == 1, out
+    assert "FAILED: parallel.sequence_parallel needs Transformer Engine" in out and "model.transformer_impl" in out
+    rc, out = _dry([*base, "model.transformer_impl=local", "parallel.sequence_parallel=false"], capsys)
+    assert rc == 0, out
+
+
+def test_transformer_engine_is_refused_on_cpu_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _dry([str(ROOT / "configs/train_tiny.yaml"), "--dry-run", "model.transformer_impl=transformer_engine"],
+                   capsys)
+    assert rc == 1 and "FAILED: model.transformer_impl=transformer_engine needs GPUs" in out, out
+
+
+def test_spec_choice_requires_transformer_engine_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a failed TE import is an error naming the import failure, not a silent local spec."""
+    import sys
+
+    from megatron_areal.actor.model import use_transformer_engine
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import fails as when TE is absent
+    with pytest.raises(ImportError, match=r"model.transformer_impl.*transformer_engine.pytorch.*(import|halted)"):
+        use_transformer_engine("auto", on_gpu=True)
+    with pytest.raises(ImportError, match="model.transformer_impl"):
+        use_transformer_engine("transformer_engine", on_gpu=True)
+    assert use_transformer_engine("local", on_gpu=True) is False  # the explicit opt-out
+    assert use_transformer_engine("auto", on_gpu=False) is False  # CPU: the local spec, as always
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        use_transformer_engine("transformer_engine", on_gpu=False)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        use_transformer_engine("local", on_gpu=True, sequence_parallel=True)
+
+
+# ---- the model path: resolved once for every role, and checked by the plan
+
+
+def test_unresolvable_model_path_fails_a_cpu_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """CPU plans never sized the model, so a typo in model.path passed every check."""
+    config = str(ROOT / "configs/train_tiny.yaml")
+    rc, out = _dry([config, "--dry-run", f"model.path={tmp_path}/no-such-model"], capsys)
+    assert rc == 1 and f"FAILED: model.path '{tmp_path}/no-such-model' is neither" in out, out
+    (tmp_path / "empty").mkdir()
+    rc, out = _dry([config, "--dry-run", f"model.path={tmp_path}/empty"], capsys)
+    assert rc == 1 and "has no config.json" in out, out
+    rc, out = _dry([config, "--dry-run", "model.path=tiny-qwen2"], capsys)  # built-in: prepared on first use
+    assert rc == 0, out
+
+
+def test_known_model_missing_here_warns_when_planning_for_another_cluster(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _dry([str(ROOT / "configs/train_32b.yaml"), "--dry-run", "--nodes", "64", "--gpus-per-node", "8"], capsys)
+    assert rc == 0, out
+    assert "warning: model.path 'deepseek-ai/DeepSeek-R1-Distill-Qwen-32B' is not a folder on this machine" in out
+
+
+def test_model_path_must_exist_when_planning_inside_the_allocation(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    for key, value in slurm_env(64).items():
+        monkeypatch.setenv(key, value)
+    rc, out = _dry([str(ROOT / "configs/train_32b.yaml"), "--dry-run"], capsys)
+    assert rc == 1, out
+    assert f"FAILED: model.path 'deepseek-ai/DeepSeek-R1-Distill-Qwen-32B' ({Path.cwd()}/deepseek-ai/" in out
+    assert "is neither a built-in model" in out
+
+
+def test_model_path_is_resolved_once_to_an_absolute_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang reads a relative path that is not a folder in its own directory as a hub id; every role gets
+    the absolute folder the launcher resolved."""
+    from megatron_areal.assets import make_tiny_model
+    from megatron_areal.launch.commands import resolved_model_path, server_command
+
+    make_tiny_model(tmp_path / "models" / "tiny", num_layers=2)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(ROOT / "configs/train_32b.yaml", ["model.path=models/tiny"])
+    model_dir = resolved_model_path(cfg)
+    assert model_dir == str(tmp_path / "models" / "tiny")
+    plan = plan_for("32b", 64)
+    cmd = server_command(plan.servers[0], cfg, model_dir, tmp_path / "servers")
+    assert cmd[cmd.index("--model-path") + 1] == model_dir
+    cfg = load_config(ROOT / "configs/train_32b.yaml", ["model.path=models/missing"])
+    with pytest.raises(FileNotFoundError, match="models/missing"):
+        resolved_model_path(cfg)
+
+
+# ---- the weight-update groups' master address: each trainer node's address from the plan
+
+
+def _master_address_overrides(cmd: list[str]) -> list[str]:
+    return [a for a in cmd if a.startswith("realloc.master_address=")]
+
+
+def test_each_trainer_node_hosts_its_weight_groups_at_its_plan_address(tmp_path: Path) -> None:
+    """Stage heads host the groups' stores; with PP 2 on 16 trainer nodes, stage 1's head is on the 9th."""
+    from megatron_areal.launch.commands import trainer_command
+
+    plan = plan_for("32b", 64)
+    config = str(ROOT / "configs/train_32b.yaml")
+    for rank, node in enumerate(plan.trainer.nodes):
+        cmd = trainer_command(plan, rank, config, [], tmp_path / "plan.json")
+        assert _master_address_overrides(cmd) == [f"realloc.master_address={plan.node(node).addr}"]
+    cmd = trainer_command(plan, 8, config, ["realloc.master_address=10.0.0.9"], tmp_path / "plan.json")
+    assert _master_address_overrides(cmd)[-1] == "realloc.master_address=10.0.0.9"  # the user's word is last
+    explicit = tmp_path / "explicit.yaml"
+    explicit.write_text((ROOT / "configs/train_32b.yaml").read_text() + "realloc:\n  master_address: 10.1.2.3\n")
+    assert _master_address_overrides(trainer_command(plan, 0, str(explicit), [], tmp_path / "plan.json")) == []
+
+
+def test_local_trainer_hosts_its_weight_groups_at_the_server_host(tmp_path: Path) -> None:
+    from megatron_areal.launch.commands import trainer_command
+    from megatron_areal.launch.local import local_plan
+
+    cfg = load_config(ROOT / "configs/train_tiny.yaml", ["server.host=127.0.0.1"])
+    plan = local_plan(cfg)
+    cmd = trainer_command(plan, 0, str(ROOT / "configs/train_tiny.yaml"), [], tmp_path / "plan.json")
+    assert _master_address_overrides(cmd) == ["realloc.master_address=127.0.0.1"]

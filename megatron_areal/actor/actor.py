@@ -55,7 +55,7 @@ class Actor:
         self.dtype = self._dtype(model_cfg.dtype, groups)
         chunks = build_model(arch, tp=groups.tp, pp=groups.pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
                              sequence_parallel=parallel_cfg.sequence_parallel, dtype=self.dtype, seed=seed,
-                             device=groups.device)
+                             device=groups.device, transformer_impl=model_cfg.transformer_impl)
         state = build_train_state(chunks, optimizer_cfg, groups, total_steps * ppo_cfg.n_minibatches)
         self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
         self._reference: list[torch.Tensor] | None = None

@@ -12,6 +12,10 @@ class ModelConfig:
     path: str = "smollm2-135m"  # HF folder, or a built-in asset name (see megatron_areal.assets)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     max_seq_len: int = 1024  # longest prompt + response the trainer accepts
+    # Megatron layer spec. auto: Transformer Engine on CUDA (required: a failed import is an error),
+    # the local spec on CPU. local: Megatron's local spec everywhere (no sequence parallelism on GPUs).
+    # transformer_engine: TE, and refuse to run without CUDA.
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
 
     def validate(self) -> None:
         require(self.max_seq_len > 0, "max_seq_len", "must be positive")

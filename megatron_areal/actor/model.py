@@ -1,9 +1,9 @@
 """Build Megatron ``GPTModel`` chunks for the Llama / Qwen2 / Qwen3 dense families.
 
 ``build_model`` returns the chunk(s) of this rank's pipeline stage (one chunk: no virtual
-pipeline). On CPU, and on GPU without Transformer Engine, the local spec is used with
-``PackedCoreAttention`` so packed (THD) micro-batches work; with TE installed on GPU the TE spec
-is used (its attention handles THD natively).
+pipeline). On CPU, and on GPU with ``model.transformer_impl=local``, the local spec is used with
+``PackedCoreAttention`` so packed (THD) micro-batches work; otherwise on GPU the TE spec is used
+(its attention handles THD natively), and a TE that fails to import is an error.
 
 State-dict names of one chunk (local spec; ``L`` is the layer index local to the stage, the
 first stage holds ``embedding``, the last ``decoder.final_layernorm`` and ``output_layer``):
@@ -50,12 +50,46 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def te_available() -> bool:
+def te_import_error() -> str | None:
+    """Why ``transformer_engine.pytorch`` does not import here, or None when it does."""
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # TE fails to import in many ways without a matching CUDA
+    except Exception as e:  # TE fails to import in many ways without a matching CUDA/torch build
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def te_available() -> bool:
+    return te_import_error() is None and torch.cuda.is_available()
+
+
+def use_transformer_engine(impl: str, *, on_gpu: bool, sequence_parallel: bool = False) -> bool:
+    """Whether to build the TE layer spec for ``model.transformer_impl = impl``.
+
+    On CUDA the TE spec is required unless the config opts out with ``local``: falling back silently
+    hid broken TE installs until Megatron's torch norm asserted on sequence parallelism.
+    """
+    if impl not in ("auto", "transformer_engine", "local"):
+        raise ValueError(f"model.transformer_impl: {impl!r} is not auto, transformer_engine or local")
+    if not on_gpu:
+        if impl == "transformer_engine":
+            raise ValueError("model.transformer_impl=transformer_engine needs a CUDA device; "
+                             "use auto or local on CPU")
         return False
-    return torch.cuda.is_available()
+    if impl == "local":
+        if sequence_parallel:
+            raise ValueError("parallel.sequence_parallel needs Transformer Engine on CUDA (Megatron's local "
+                             "spec uses torch norms, which refuse sequence parallelism); set "
+                             "model.transformer_impl=auto or parallel.sequence_parallel=false")
+        return False
+    error = te_import_error()
+    if error is not None:
+        raise ImportError(
+            f"model.transformer_impl={impl}: on CUDA the Transformer Engine layer spec is required, but "
+            f"transformer_engine.pytorch does not import ({error}). Install the gpu extra and TE's torch "
+            "extension (README, GPU clusters), or set model.transformer_impl=local to use Megatron's local "
+            "spec without sequence parallelism")
+    return True
 
 
 def check_layout(arch: ModelArch, tp: int, pp: int) -> None:
@@ -176,15 +210,18 @@ def init_weights(chunks: list[GPTModel], arch: ModelArch, *, seed: int, tp: int,
 
 def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, tp_rank: int = 0,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, seed: int = 1,
-                device: torch.device | None = None, use_te: bool | None = None) -> list[GPTModel]:
+                device: torch.device | None = None, use_te: bool | None = None,
+                transformer_impl: str = "auto") -> list[GPTModel]:
     """The GPTModel chunk of pipeline stage ``pp_rank``, randomly initialised from ``seed``.
 
     Needs Megatron's parallel state for (tp, pp) initialised (``actor.parallel.init_parallel``).
-    The same seed gives the same full model at any TP/PP layout (``init_weights``).
+    The same seed gives the same full model at any TP/PP layout (``init_weights``). ``use_te``
+    forces the spec (benchmarks compare both); otherwise ``transformer_impl`` decides.
     """
     device = device or torch.device("cpu")
     on_gpu = device.type == "cuda"
-    use_te = te_available() if use_te is None else use_te
+    if use_te is None:
+        use_te = use_transformer_engine(transformer_impl, on_gpu=on_gpu, sequence_parallel=sequence_parallel)
     if use_te and not on_gpu:
         raise ValueError("the Transformer Engine spec needs a CUDA device")
     config = transformer_config(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype,

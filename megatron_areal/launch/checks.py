@@ -54,13 +54,19 @@ def model_params(cfg: Config, arch: ModelArch | None, shape: ModelShape | None) 
     return float(shape.params) if shape is not None else None
 
 
-def check_plan(plan: Plan, cfg: Config, eta_explicit: bool) -> None:
-    """Append failed checks to ``plan.errors`` (and softer findings to ``plan.warnings``)."""
+def check_plan(plan: Plan, cfg: Config, eta_explicit: bool, *, model_here: bool = False) -> None:
+    """Append failed checks to ``plan.errors`` (and softer findings to ``plan.warnings``).
+
+    ``model_here``: the job starts from this machine's filesystem (planning inside its allocation),
+    so ``model.path`` must resolve here; otherwise a model only the catalogue knows is a warning."""
     _check_eta(plan, cfg, eta_explicit)
     _check_ports(plan)
     _check_batch(plan, cfg)
+    _check_transformer_impl(plan, cfg)
     arch = model_arch(cfg)
     shape = None if arch is not None else catalogue_shape(cfg)
+    if not _check_model_path(plan, cfg, arch, shape, model_here):
+        return  # the sizing checks below would only repeat that the model is unknown
     if arch is not None or shape is not None:
         _check_shapes(plan, arch or shape)
     if plan.gpus_per_node > 0:
@@ -70,6 +76,43 @@ def check_plan(plan: Plan, cfg: Config, eta_explicit: bool) -> None:
                                "known model; set cluster.model_params_b")
         else:
             _check_memory(plan, cfg, params)
+
+
+def _check_model_path(plan: Plan, cfg: Config, arch: ModelArch | None, shape: ModelShape | None,
+                      model_here: bool) -> bool:
+    """Whether ``model.path`` resolves (a built-in name or an HF folder here), as the launcher will
+    resolve it once for every role; False (with an error) when the job could not start."""
+    from megatron_areal.assets import BUILTIN_MODELS
+
+    key = cfg.model.path
+    path = Path(key).expanduser()
+    if key in BUILTIN_MODELS or arch is not None:
+        return True
+    where = f"'{key}'" if path.is_absolute() else f"'{key}' ({path.absolute()})"
+    if path.exists():
+        plan.errors.append(f"model.path {where} has no config.json: not a Hugging Face model folder")
+        return False
+    if not model_here and (shape is not None or cfg.cluster.model_params_b > 0):
+        plan.warnings.append(f"model.path '{key}' is not a folder on this machine; the job needs it as an HF "
+                             "folder where it starts (a relative path resolves against that directory)")
+        return True
+    plan.errors.append(f"model.path {where} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
+                       "Hugging Face folder with a config.json on this machine")
+    return False
+
+
+def _check_transformer_impl(plan: Plan, cfg: Config) -> None:
+    """TE is required on GPUs (unless opted out) and impossible on CPUs; Megatron's local spec builds
+    torch norms, which refuse sequence parallelism on GPUs (the CPU patch lifts that on gloo only)."""
+    impl = cfg.model.transformer_impl
+    if plan.gpus_per_node == 0 and impl == "transformer_engine":
+        plan.errors.append("model.transformer_impl=transformer_engine needs GPUs; this plan has CPU nodes "
+                           "(use auto or local)")
+    if plan.gpus_per_node > 0 and impl == "local" and cfg.parallel.sequence_parallel:
+        plan.errors.append("parallel.sequence_parallel needs Transformer Engine on GPUs, but "
+                           "model.transformer_impl=local selects Megatron's local spec, whose torch norms "
+                           "refuse sequence parallelism; set model.transformer_impl=auto or "
+                           "parallel.sequence_parallel=false")
 
 
 def _check_eta(plan: Plan, cfg: Config, explicit: bool) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from megatron_areal.config import Config
+from megatron_areal.configbase import load_yaml, parse_override
 from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.server.sglang_launcher import SGLangLaunch
 
@@ -19,6 +20,16 @@ from megatron_areal.server.sglang_launcher import SGLangLaunch
 def run_paths(run_dir: str | Path) -> dict[str, Path]:
     root = Path(run_dir).resolve()
     return {"root": root, "servers": root / "servers", "logs": root / "logs", "plan": root / "plan.json"}
+
+
+def resolved_model_path(cfg: Config) -> str:
+    """``model.path`` as the absolute folder every role loads, resolved once by the launcher.
+
+    A built-in name is prepared here (so servers and trainer ranks never race to prepare it), and a
+    relative path is made absolute: SGLang reads a path that is not a folder in its own working
+    directory as a model-hub id, while the trainer would fail on it."""
+    from megatron_areal.assets import resolve_model
+    return str(resolve_model(cfg.model.path).absolute())
 
 
 def sglang_spec(slot: ServerSlot, cfg: Config, model_dir: str) -> SGLangLaunch:
@@ -45,7 +56,21 @@ def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path)
     return cmd
 
 
+def weight_group_address(plan: Plan, node_rank: int, config_path: str, overrides: list[str]) -> list[str]:
+    """``realloc.master_address`` for the trainer ranks of node ``node_rank``: that node's address in
+    the plan. Pipeline stage heads host the weight-update groups the servers join, and with PP > 1
+    they sit on different trainer nodes, so each node passes its own address. The host's resolver is
+    no substitute (Debian maps the host name to 127.0.1.1). An address the user set wins."""
+    if any(parse_override(o)[0] == ["realloc", "master_address"] for o in overrides):
+        return []
+    realloc = load_yaml(config_path).get("realloc")
+    if isinstance(realloc, dict) and realloc.get("master_address"):
+        return []
+    return [f"realloc.master_address={plan.node(plan.trainer.nodes[node_rank]).addr}"]
+
+
 def trainer_command(plan: Plan, node_rank: int, config_path: str, overrides: list[str], plan_path: Path) -> list[str]:
+    overrides = [*weight_group_address(plan, node_rank, config_path, overrides), *overrides]
     entry = ["-m", "megatron_areal.launch.trainer_main", "--plan", str(plan_path), config_path, *overrides]
     t = plan.trainer
     if t.world_size == 1:
