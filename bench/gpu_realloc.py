@@ -63,7 +63,7 @@ def main() -> None:
                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
 
-    from megatron_areal.actor.model import build_model
+    from megatron_areal.actor.model import build_model, te_available
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.convert.arch import ModelArch
 
@@ -74,7 +74,8 @@ def main() -> None:
                      num_layers=args.layers, num_heads=h // 128, num_kv_heads=max(1, h // 512), head_dim=128,
                      max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
                      qkv_bias=False, qk_norm=False, tie_word_embeddings=False)
-    chunks = build_model(arch, tp=1, pp=1, pp_rank=0, dtype=dtype, device=groups.device)
+    # the TE spec when TE imports, else the local one: the stream, not the spec, is measured here
+    chunks = build_model(arch, tp=1, pp=1, pp_rank=0, dtype=dtype, device=groups.device, use_te=te_available())
     bucket = int(args.bucket_mb * 2**20)
     _stream(chunks, arch, groups, bucket, dtype)  # warm-up: allocator, kernels
 
