@@ -194,12 +194,14 @@ def test_code_cannot_open_network_socket(service: RewardService) -> None:
 
 def test_code_cannot_write_outside_scratch(service: RewardService) -> None:
     target_dir = Path(tempfile.mkdtemp(dir="/var/tmp"))
-    target_dir.chmod(0o777)  # writable by anyone: only the read-only mount can stop the write
+    target_dir.chmod(0o777)  # writable by anyone: only the sandbox's mounts can stop the write
     target = target_dir / "escaped.txt"
     try:
         reward, detail = _guarded(service, f"open({str(target)!r}, 'w').write('x')")
-        assert reward == 0.0 and "Read-only file system" in detail
+        assert reward == 0.0 and "No such file or directory" in detail  # /var is not in the sandbox
         assert not target.exists()
+        reward, detail = _guarded(service, "open('/usr/escaped.txt', 'w').write('x')")
+        assert reward == 0.0 and "Read-only file system" in detail  # /usr is, read-only
         # the private scratch directory is writable
         assert _guarded(service, "open('/tmp/scratch.txt', 'w').write('x')")[0] == 1.0
         assert not Path("/tmp/scratch.txt").exists()

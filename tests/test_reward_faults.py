@@ -246,8 +246,8 @@ def test_only_the_scratch_is_writable(service: RewardService) -> None:
 
 
 def test_host_directories_are_not_in_the_sandbox(service: RewardService) -> None:
-    code = "import os\ndef visible():\n    return [p for p in %r if os.path.exists(p)]\n" % (
-        ["/run", "/var/run", "/home", "/root", "/work", "/opt", "/mnt", "/srv", "/var/lib"],)
+    hidden = ["/run", "/var/run", "/home", "/root", "/work", "/opt", "/mnt", "/srv", "/var/lib"]
+    code = f"import os\ndef visible():\n    return [p for p in {hidden!r} if os.path.exists(p)]\n"
     reward, detail = _score(service, code, "v = visible()\nassert not v, v\n")
     assert reward == 1.0, detail
 

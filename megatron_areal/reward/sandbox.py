@@ -1,22 +1,36 @@
 """Run untrusted Python under bubblewrap with resource limits.
 
-Isolation (bubblewrap): new network, PID, IPC, UTS and user namespaces; the host file system
-mounted read-only; a private size-limited tmpfs as ``/tmp`` and working directory; no inherited
-environment. Limits (setrlimit before exec): CPU seconds, address space, file size, and the
-number of processes of the sandbox user. The wall-clock limit kills bubblewrap's process group;
-because the sandbox has its own PID namespace and bubblewrap's init dies with its parent, the
-whole process tree goes with it.
+What the sandbox contains (see SECURITY.md): read-only binds of ``/usr``, ``/etc``, the ``/bin``,
+``/sbin`` and ``/lib*`` links or directories, and the interpreter's prefix when it lives
+elsewhere; a fresh ``/proc`` of its own PID namespace; a minimal ``/dev`` (null, zero, full,
+random, urandom, tty), read-only; a size-limited ``/dev/shm``; a private size-limited tmpfs as
+``/tmp`` and working directory. Nothing else of the host: no ``/run``, ``/var``, ``/home``,
+``/root``, ``/tmp`` or ``/opt``, so no host Unix socket is reachable by path, and the network
+namespace holds only its own loopback, so no abstract socket or TCP port of the host is either.
+New network, PID, IPC, UTS, cgroup and user namespaces; no inherited environment.
+
+Limits (setrlimit before exec): CPU seconds, address space, file size, and the number of
+processes of the sandbox user. The wall-clock limit kills bubblewrap's process group; because
+the sandbox has its own PID namespace and bubblewrap's init dies with its parent, the whole
+process tree goes with it.
 
 RLIMIT_NPROC is not enforced for root, so when the service runs as root the sandbox runs as
 ``nobody``. The interpreter must then be executable by ``nobody``: a Python installed under
 ``/root`` is not, and the system ``/usr/bin/python3`` is used instead.
+
+A pass is never read from an exit status: ``harness.py`` (which see) runs the tests and the
+answer in separate processes, and only the test process, after the tests' code returned, prints
+a nonce that it read before the answer's process existed.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
+import json
 import logging
 import os
 import resource
+import secrets
 import shutil
 import signal
 import stat
@@ -31,6 +45,12 @@ logger = logging.getLogger(__name__)
 NOBODY = 65534
 _PR_SET_PDEATHSIG = 1
 _STDERR_TAIL = 2000
+_STDOUT_LIMIT = 1 << 20  # the proof is one short line; anything else there is noise
+_HARNESS = Path(__file__).with_name("harness.py")
+_SYSTEM_DIRS = ("/usr", "/etc")
+_SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+INSTALL_HINT = ("install the package 'bubblewrap' (Debian/Ubuntu: apt install bubblewrap; Fedora/RHEL: "
+                "dnf install bubblewrap); scripts/install.sh installs Python packages only")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -51,17 +71,23 @@ class SandboxLimits:
 class SandboxResult:
     returncode: int | None  # None when the wall-clock limit killed it
     stderr_tail: str
+    proven: bool = False  # the test process printed this run's nonce: the tests' code ran to its end
 
     @property
     def passed(self) -> bool:
-        return self.returncode == 0
+        """Only the proof counts; an exit status of 0 alone means nothing."""
+        return self.proven
 
     def describe(self) -> str:
+        if self.proven:
+            return "tests passed"
         if self.returncode is None:
             return "killed at the wall-clock limit"
         if self.returncode < 0:
             return f"killed by signal {signal.Signals(-self.returncode).name}"
         last = self.stderr_tail.strip().splitlines()[-1:] or [""]
+        if self.returncode == 0 and not last[0]:
+            return "exit 0 without the proof that the tests ran to their end"
         return f"exit {self.returncode}" + (f": {last[0]}" if last[0] else "")
 
 
@@ -101,17 +127,53 @@ def _count_processes(uid: int) -> int:
     return count
 
 
-def bwrap_command(python: str, scratch_bytes: int) -> list[str]:
+def check_sandbox_available() -> str:
+    """The path of ``bwrap``, or SandboxUnavailable naming the package to install."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
-        raise SandboxUnavailable("bubblewrap ('bwrap') is not installed: apt-get install -y bubblewrap")
+        raise SandboxUnavailable(
+            "the 'code' reward runs answers under bubblewrap, but there is no 'bwrap' on PATH: " + INSTALL_HINT)
+    return bwrap
+
+
+@functools.lru_cache(maxsize=8)
+def _interpreter_roots(python: str) -> tuple[str, ...]:
+    """Directories the interpreter needs that the system binds do not cover (a venv, pyenv)."""
+    out = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    roots = {os.path.realpath(p) for p in [*out, str(Path(python).resolve().parent.parent)]}
+    covered = tuple(os.path.realpath(d) for d in (*_SYSTEM_DIRS, *_SYSTEM_LINKS) if os.path.isdir(d))
+    return tuple(sorted(r for r in roots if r != "/" and not any(r == c or r.startswith(c + "/") for c in covered)))
+
+
+def _system_binds(python: str) -> list[str]:
+    """Read-only binds of what Python needs, and nothing that holds host sockets (/run, /var, /tmp)."""
+    args: list[str] = []
+    for path in _SYSTEM_DIRS:
+        if os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in _SYSTEM_LINKS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for root in _interpreter_roots(python):
+        args += ["--ro-bind", root, root]
+    return args
+
+
+def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int) -> list[str]:
+    bwrap = check_sandbox_available()
     return [
         bwrap, "--unshare-all", "--die-with-parent", "--new-session",
-        "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-        "--size", str(scratch_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
+        *_system_binds(python),
+        "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+        "--proc", "/proc",
+        "--size", str(scratch_bytes), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--hostname", "sandbox",
-        python, "-I", "-B", "-",  # the program comes on stdin; -I ignores PYTHON* and user site
+        # -I ignores PYTHON* and the user site; the harness reads the answer and tests from stdin
+        python, "-I", "-B", "-c", _HARNESS.read_text(), "tests",
     ]
 
 
@@ -127,27 +189,37 @@ def _limiter(limits: SandboxLimits, max_procs: int):
     return apply
 
 
-def run_python(program: str, limits: SandboxLimits) -> SandboxResult:
-    """Run ``program`` in the sandbox; never raises for anything the program does."""
+def run_answer(answer: str, tests: str, limits: SandboxLimits) -> SandboxResult:
+    """Run ``tests`` against ``answer`` in the sandbox; never raises for anything either does.
+
+    The nonce goes in the frame on stdin, which the test process reads to its end before it
+    starts the answer's process; the proof comes back on stdout."""
     uid = _sandbox_uid()
     # The limit counts every process of the user; allow this run ``max_processes`` more.
-    max_procs = _count_processes(uid) + limits.max_processes + 2  # + bwrap and its init
-    cmd = bwrap_command(choose_python(limits.python), 4 * limits.file_mb * 1024 * 1024)
+    max_procs = _count_processes(uid) + limits.max_processes + 3  # + bwrap, its init, the test process
+    mb = 1024 * 1024
+    python = choose_python(limits.python)
+    cmd = bwrap_command(python, 4 * limits.file_mb * mb, limits.file_mb * mb)
+    nonce = secrets.token_hex(32)
+    frame = json.dumps({"nonce": nonce, "answer": answer, "tests": tests, "runner": _HARNESS.read_text()})
     switch = {"user": uid, "group": uid, "extra_groups": []} if uid != os.geteuid() else {}
-    with tempfile.TemporaryFile() as stderr:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=stderr,
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
                                 cwd="/", start_new_session=True, preexec_fn=_limiter(limits, max_procs),
                                 **switch)
         try:
-            proc.communicate(program.encode(), timeout=limits.wall_s)
+            proc.communicate(frame.encode(), timeout=limits.wall_s)
             code: int | None = proc.returncode
         except subprocess.TimeoutExpired:
             code = None
         finally:
             _kill_group(proc)
-        stderr.seek(0)
+        stdout.seek(0)
+        proven = f"pass {nonce}\n".encode() in stdout.read(_STDOUT_LIMIT)
+        stderr.seek(0, os.SEEK_END)
+        stderr.seek(max(0, stderr.tell() - 4 * _STDERR_TAIL))
         tail = stderr.read()[-_STDERR_TAIL:].decode(errors="replace")
-    return SandboxResult(code, tail)
+    return SandboxResult(code, tail, proven)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -159,14 +231,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def check_sandbox(limits: SandboxLimits) -> None:
-    """Raise SandboxUnavailable unless a trivial program runs and cannot reach the network."""
-    probe = "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\n" \
-            "except OSError:\n    raise SystemExit(0)\nraise SystemExit(3)\n"
-    result = run_python(probe, limits)
-    if result.returncode == 3:
-        raise SandboxUnavailable("the code sandbox can reach the network; refusing to run code answers")
+    """Raise SandboxUnavailable unless bubblewrap is installed, a trivial answer passes its test,
+    and an answer cannot reach the network."""
+    check_sandbox_available()
+    result = run_answer("x = 1\n", "assert x == 1\n", limits)
     if not result.passed:
         raise SandboxUnavailable(
             f"bubblewrap cannot start a sandbox here ({result.describe()}); it needs user namespaces "
             f"(sysctl kernel.unprivileged_userns_clone=1) or a setuid bwrap. stderr: {result.stderr_tail.strip()}")
+    probe = ("import socket\ndef offline():\n    try:\n        socket.create_connection(('1.1.1.1', 53), timeout=1)\n"
+             "    except OSError:\n        return True\n    return False\n")
+    if not run_answer(probe, "assert offline()\n", limits).passed:
+        raise SandboxUnavailable("the code sandbox can reach the network; refusing to run code answers")
     logger.info("code sandbox ready: bubblewrap, uid %d, %s", _sandbox_uid(), choose_python(limits.python))

@@ -28,14 +28,20 @@ logger = logging.getLogger(__name__)
 
 class RewardService:
     """``tasks``: the task names this run will score; their verifiers' preflight checks (the code
-    sandbox) run now, so a host without a working sandbox fails at start. ``None``: all registered."""
+    sandbox: bubblewrap installed and working) run now, so a run on code tasks fails at start on a
+    host without the sandbox, with an error naming the package. ``None`` (a caller that does not
+    know its tasks yet): each task's check runs before its first answer is scored, so math and
+    arithmetic need no sandbox, and a code answer raises the same error instead of scoring 0."""
 
     def __init__(self, config: RewardConfig, registry: VerifierRegistry | None = None,
                  tasks: Iterable[str] | None = None) -> None:
         config.validate()
         self.config = config
         self.registry = registry if registry is not None else default_registry(config)
-        self.registry.preflight(self.registry.names() if tasks is None else list(tasks))
+        self._checked: set[str] = set()
+        self._check_lock = threading.Lock()
+        if tasks is not None:
+            self._preflight(list(tasks))
         self._lock = threading.Lock()
         self._counts = {"scored": 0, "timeouts": 0, "errors": 0, "worker_restarts": 0}
         self._latency_sum = 0.0
@@ -69,6 +75,8 @@ class RewardService:
         if self._closed:
             raise RuntimeError("the reward service is closed")
         self.registry.get(task)  # an unknown task is a configuration error: raise, do not score 0
+        if task not in self._checked:
+            self._preflight([task])
         worker = self._idle.get()
         try:
             result = worker.run((task, response_text, answer), self.config.timeout_s)
@@ -80,6 +88,13 @@ class RewardService:
         finally:
             self._idle.put(worker)
         return result
+
+    def _preflight(self, tasks: list[str]) -> None:
+        """Run each task's host check once; a failed check raises and is retried on the next use."""
+        with self._check_lock:
+            todo = [t for t in tasks if t not in self._checked]
+            self.registry.preflight(todo)
+            self._checked.update(todo)
 
     async def score(self, task: str, response_text: str, answer: Any) -> RewardResult:
         loop = asyncio.get_running_loop()
