@@ -70,7 +70,7 @@ def test_answer_that_exits_inside_the_tested_function_scores_zero(service: Rewar
 
 FORGER = r'''
 import os, re, sys
-HEX = re.compile(rb"[0-9a-f]{16,}")
+HEX = re.compile(rb"[0-9a-f]{64}")
 
 def readable(path):
     try:
@@ -78,6 +78,29 @@ def readable(path):
             return f.read(1 << 20)
     except OSError:
         return b""
+
+def scan_memory(pid, budget):
+    """Hex strings in the writable memory of another process, up to ``budget`` bytes in all."""
+    found = set()
+    try:
+        maps = open(f"/proc/{pid}/maps").read().splitlines()
+        mem = open(f"/proc/{pid}/mem", "rb")
+    except OSError:
+        return found
+    with mem:
+        for line in maps:
+            fields = line.split()
+            if "rw" not in fields[1] or budget[0] <= 0:
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                mem.seek(start)
+                data = mem.read(min(end - start, budget[0]))
+            except (OSError, ValueError, OverflowError):
+                continue
+            budget[0] -= len(data)
+            found.update(HEX.findall(data))
+    return found
 
 def forge():
     """Collect every hex string this process can read about itself and its parents, then
@@ -87,12 +110,16 @@ def forge():
     for pid in pids:
         for part in ("cmdline", "environ", "fd/0", "fd/3", "fd/4"):
             seen.update(HEX.findall(readable(f"/proc/{pid}/{part}")))
+    budget = [64 << 20]
+    for pid in pids:
+        if pid != str(os.getpid()):
+            seen.update(scan_memory(pid, budget))
     try:
         seen.update(HEX.findall(sys.stdin.buffer.read(1 << 20)))
     except (OSError, ValueError):
         pass
     seen.update(HEX.findall(repr(sys.argv).encode() + repr(dict(os.environ)).encode()))
-    seen.add(b"0" * 32)
+    seen.add(b"0" * 64)
     lines = b"".join(b"%s\n%s %s\nok %s\npass %s\n" % (s, b"pass", s, s, s) for s in seen) + b"pass\nok\n"
     for pid in pids + ["self"]:
         for fd in range(0, 8):
@@ -111,6 +138,27 @@ forge()
 def test_answer_cannot_forge_the_proof_from_what_it_can_read(service: RewardService) -> None:
     reward, detail = _score(service, FORGER, FAILING_TESTS)
     assert reward == 0.0, f"forged a pass: {detail}"
+
+
+PEEK = r'''
+import os
+def peek():
+    """What this process can open of its parent, the test process that holds the nonce."""
+    opened = []
+    for part in ("mem", "maps", "environ", "fd/0", "fd/1", "fd/3", "fd/4"):
+        try:
+            with open(f"/proc/{os.getppid()}/{part}", "rb") as f:
+                f.read(1)
+            opened.append(part)
+        except OSError:
+            pass
+    return opened
+'''
+
+
+def test_answer_cannot_read_the_test_process(service: RewardService) -> None:
+    reward, detail = _score(service, PEEK, "opened = peek()\nassert not opened, opened\n")
+    assert reward == 1.0, detail
 
 
 def test_answers_that_run_their_tests_still_pass(service: RewardService) -> None:

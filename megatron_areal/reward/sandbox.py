@@ -139,8 +139,11 @@ def check_sandbox_available() -> str:
 @functools.lru_cache(maxsize=8)
 def _interpreter_roots(python: str) -> tuple[str, ...]:
     """Directories the interpreter needs that the system binds do not cover (a venv, pyenv)."""
-    out = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    try:
+        out = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailable(f"cannot run the sandbox's interpreter {python}: {e}") from e
     roots = {os.path.realpath(p) for p in [*out, str(Path(python).resolve().parent.parent)]}
     covered = tuple(os.path.realpath(d) for d in (*_SYSTEM_DIRS, *_SYSTEM_LINKS) if os.path.isdir(d))
     return tuple(sorted(r for r in roots if r != "/" and not any(r == c or r.startswith(c + "/") for c in covered)))
