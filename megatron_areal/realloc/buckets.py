@@ -11,7 +11,7 @@ is its own broadcast, in ``names`` order.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,28 +49,33 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _pack(dst: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Copy ``tensor`` into the byte slice ``dst`` in one pass, strided views (q/k/v) included."""
-    if dst.storage_offset() % tensor.element_size() == 0:
-        dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-    else:  # tensors of mixed dtypes can leave an odd offset; go through a contiguous copy
-        dst.copy_(_as_bytes(tensor))
-
-
 def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_group: dist.ProcessGroup | None,
                tp_size: int, *, keep: bool, bucket_bytes: int, flat: bool = True, dtype: torch.dtype | None = None,
                device: torch.device | None = None) -> Iterator[Bucket]:
-    """Buckets of at most ``bucket_bytes`` (a single larger tensor travels alone).
+    """This stage's HF tensors in buckets of at most ``bucket_bytes`` (see ``pack_buckets``).
 
-    Each bucket is valid until the next one is requested (flat buckets share one buffer).
     ``keep=False`` (TP peers of the head) runs the gathers and yields nothing.
+    """
+    tensors = stage_hf_tensors(chunks, arch, tp_group, tp_size, head=keep, dtype=dtype)
+    if device is not None:
+        tensors = ((name, tensor.to(device)) for name, tensor in tensors)
+    return pack_buckets(tensors, bucket_bytes=bucket_bytes, flat=flat)
+
+
+def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int,
+                 flat: bool = True) -> Iterator[Bucket]:
+    """Buckets of at most ``bucket_bytes`` (a single larger tensor travels alone), in order.
+
+    Each bucket is valid until the next one is requested (flat buckets share one buffer). A flat
+    bucket is the receiver's layout: tensors back to back without padding, each at an offset
+    that is a multiple of its element size (SGLang refuses anything else), so a tensor that
+    would land unaligned after one of a smaller dtype starts a new bucket.
     """
     bucket = Bucket(flat=flat)
     buffer: torch.Tensor | None = None
-    for name, tensor in stage_hf_tensors(chunks, arch, tp_group, tp_size, head=keep, dtype=dtype):
-        tensor = tensor if device is None else tensor.to(device)
+    for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and bucket.nbytes + nbytes > bucket_bytes:
+        if bucket and (bucket.nbytes + nbytes > bucket_bytes or (flat and bucket.nbytes % tensor.element_size())):
             yield _seal(bucket, buffer)
             bucket = Bucket(flat=flat)
         if not flat:
@@ -81,7 +86,7 @@ def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_group: dis
         else:
             if buffer is None:
                 buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=tensor.device)
-            _pack(buffer[bucket.nbytes:bucket.nbytes + nbytes], tensor)
+            buffer[bucket.nbytes:bucket.nbytes + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         bucket.describe(name, tensor)
     if bucket:
         yield _seal(bucket, buffer)

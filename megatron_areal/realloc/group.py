@@ -1,19 +1,29 @@
 """The weight-update process group shared by the trainer (rank 0) and the rollout servers.
 
-The trainer already owns a default (Megatron) process group, so this group must not touch it:
-it gets its own TCPStore hosted by rank 0, namespaced by ``group_name`` through a PrefixStore,
-and a backend object (gloo on CPU, NCCL on GPU) built directly on that store. Servers join with
-``rank = rank_offset + tp_rank``, the same convention SGLang uses.
+Both ends must meet under the same store keys, so both build the group exactly as SGLang's
+receiving side does (``init_custom_process_group`` in ``sglang/srt/utils/common.py``, the chain
+slime and AReaL use on the sending side too): a TCP rendezvous at ``tcp://master:port`` whose
+store rank 0 hosts, a ``PrefixStore(group_name)`` over it, then torch's own
+``_new_process_group_helper``, which adds ``"{group_name}/"`` and a per-device prefix before the
+backend exchanges its id. A group built any other way waits on different keys and never meets
+the servers (tests/test_sglang_conformance.py runs SGLang's function against this one).
+
+The trainer's default (Megatron) process group is not touched: the new group is registered
+under its own name with identity rank mapping, as SGLang does. Servers join with
+``rank = rank_offset + tp_rank``.
 """
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 log = logging.getLogger(__name__)
+_create_lock = threading.Lock()  # torch's group registry (_world) is a process-wide dict
 
 
 class WeightUpdateGroup:
@@ -22,62 +32,77 @@ class WeightUpdateGroup:
     def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "gloo",
                  timeout_s: float = 300.0, device: torch.device | str | None = None) -> None:
+        if world_size < 2:
+            raise ValueError(f"weight update group {group_name!r}: world size {world_size} has no receiver")
         if not 0 <= rank < world_size:
             raise ValueError(f"weight update group {group_name!r}: rank {rank} outside world of {world_size}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight update group {group_name!r}: backend {backend!r} is not gloo or nccl")
         self.rank, self.world_size = rank, world_size
         self.group_name, self.backend = group_name, backend
-        timeout = timedelta(seconds=timeout_s)
-        log.info("joining weight update group %s at %s:%d as rank %d/%d (%s)", group_name,
-                 master_address, master_port, rank, world_size, backend)
-        self._tcp_store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                                        timeout=timeout, wait_for_workers=False)
-        store = dist.PrefixStore(group_name, self._tcp_store)
         self.device = torch.device("cpu")
-        if backend == "gloo":
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = timeout
-            # Loopback-safe: the default device resolves the hostname, which may not route.
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_ip(master_address))]
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, options)
-        else:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+        if backend == "nccl":
             # Pass the device explicitly from worker threads: their current CUDA device is cuda:0.
             self.device = torch.device(device) if device is not None else \
                 torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-            self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        log.info("joining weight update group %s at %s:%d as rank %d/%d (%s)", group_name,
+                 master_address, master_port, rank, world_size, backend)
+        self._pg: dist.ProcessGroup | None = join_group(
+            master_address, master_port, rank=rank, world_size=world_size, group_name=group_name,
+            backend=backend, timeout=timedelta(seconds=timeout_s))
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        if self._pg is None:
+            raise RuntimeError(f"weight update group {self.group_name!r} was destroyed")
+        return self._pg
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """In-place broadcast of ``tensor`` from group rank ``src`` (blocking)."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = src, 0
-        self._pg.broadcast([tensor], opts).wait()
+        """In-place broadcast of ``tensor`` from group rank ``src``.
+
+        Blocks the host on gloo. On NCCL it only orders the work on the current stream; call
+        ``synchronize`` before timing or reusing memory from another stream.
+        """
+        dist.broadcast(tensor, group=self.pg, group_src=src)
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished this group's work (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
         flag = torch.zeros(1, device=self.device)
-        self._pg.allreduce([flag]).wait()
+        dist.all_reduce(flag, group=self.pg)
+        self.synchronize()
 
     def destroy(self) -> None:
-        """Release the backend and the store; the object is unusable afterwards."""
-        shutdown = getattr(self._pg, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        self._pg = None  # type: ignore[assignment]
-        self._tcp_store = None  # type: ignore[assignment]
+        """Release the backend and its registration; the object is unusable afterwards."""
+        if self._pg is not None:
+            pg, self._pg = self._pg, None
+            with _create_lock:
+                dist.destroy_process_group(pg)
 
 
-def _local_ip(master_address: str) -> str:
-    """The address of this host's interface that reaches ``master_address``."""
-    if master_address in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    import socket
+def join_group(master_address: str, master_port: int, *, rank: int, world_size: int, group_name: str,
+               backend: str, timeout: timedelta) -> dist.ProcessGroup:
+    """Rendezvous and build the group the way SGLang's ``init_custom_process_group`` does.
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((master_address, 1))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostname()
+    Returns once every rank has joined (the backend's id exchange needs all of them); raises
+    ``RuntimeError``/``DistStoreError`` after ``timeout`` naming the store otherwise.
+    """
+    init_method = f"tcp://{_url_host(master_address)}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    with _create_lock:
+        if group_name in c10d._world.pg_names.values():  # torch would say the same, less clearly
+            raise ValueError(f"weight update group {group_name!r} already exists in this process")
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
+                                               group_name=group_name, backend_options=None, timeout=timeout)
+        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address

@@ -1,0 +1,195 @@
+"""The trainer's weight path and client, checked against SGLang 0.5.23's own code (CPU, gloo).
+
+The SGLang side is ``sglang_receiver``: SGLang's request classes, its
+``init_custom_process_group``, its ``FlattenedTensorBucket`` and its weight-version spans,
+loaded from the installed wheel. What cannot be run here (the scheduler, the model runner and
+NCCL itself need CUDA) is named in that module's docstring.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from netutil import free_ports
+
+pytestmark = pytest.mark.timeout(300)
+HERE = Path(__file__).parent
+
+
+# ---- receivers -------------------------------------------------------------------------------
+class ReceiverProcess:
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "sglang_receiver.py"), str(port)], cwd=HERE)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"receiver exited with code {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"receiver {self.url} not ready in {timeout_s:.0f}s")
+
+    def get(self, path: str) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def start_receivers(n: int) -> list[ReceiverProcess]:
+    receivers = [ReceiverProcess(port) for port in free_ports(n)]
+    for r in receivers:
+        r.wait_ready()
+    return receivers
+
+
+@pytest.fixture
+def receivers(request: pytest.FixtureRequest) -> Iterator[list[ReceiverProcess]]:
+    started = start_receivers(getattr(request, "param", 2))
+    yield started
+    for r in started:
+        r.stop()
+
+
+def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
+    """Odd sizes and mixed dtypes: a 3-element bf16 tensor leaves the next fp32 one unaligned."""
+    g = torch.Generator().manual_seed(0)
+    return [("a.weight", torch.randn(3, generator=g).to(torch.bfloat16)),
+            ("b.weight", torch.randn(5, 7, generator=g)),
+            ("c.bias", torch.randn(11, generator=g).to(torch.float16)),
+            ("d.weight", torch.randn(64, 33, generator=g)),
+            ("e.weight", torch.randn(4, 4, generator=g).to(torch.bfloat16))]
+
+
+def sha(t: torch.Tensor) -> str:
+    from megatron_areal.server.weights import tensor_checksum
+    return tensor_checksum(t)
+
+
+# ---- the weight-update group -----------------------------------------------------------------
+@pytest.mark.parametrize("flat", [True, False], ids=["flattened", "per-tensor"])
+def test_stage_link_meets_sglang_receivers_bitwise(receivers: list[ReceiverProcess], flat: bool) -> None:
+    """Our group (rank 0) + SGLang's ``init_custom_process_group`` on the servers: every tensor
+    arrives bitwise, through SGLang's own bucket reconstruction."""
+    from megatron_areal.realloc.buckets import pack_buckets
+    from megatron_areal.realloc.fleet import ServerPool
+    from megatron_areal.realloc.link import StageLink
+
+    tensors = mixed_tensors()
+    pool = ServerPool(timeout_s=60)
+    link = StageLink(pool, {r.url: 1 for r in receivers}, stage=0, generation=1, master_address="127.0.0.1",
+                     backend="gloo", timeout_s=60)
+    try:
+        assert link.form() == {}
+        assert not pool.each(link.urls, lambda c: c.begin_weight_update())
+        for bucket in pack_buckets(iter(tensors), bucket_bytes=4096, flat=flat):
+            assert link.send(bucket, "7") == {}
+        assert not pool.each(link.urls, lambda c: c.end_weight_update())
+        link.destroy(link.urls)
+    finally:
+        pool.close()
+    want = {name: sha(t) for name, t in tensors}
+    for r in receivers:
+        got = r.get("/weights_checksum")
+        assert got["weight_version"] == "7"
+        assert {n: v["sha256"] for n, v in got["checksums"].items()} == want
+
+
+def _sglang_side(port: int, name: str, out: Any) -> None:
+    import sglang_ref
+
+    try:
+        sglang_ref.init_custom_process_group()(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
+                                               rank=1, group_name=name, timeout=timedelta(seconds=6))
+        out.put("joined")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put(f"{type(e).__name__}")
+
+
+def test_group_on_other_store_keys_is_caught_within_a_timeout() -> None:
+    """The control: a group built on ``PrefixStore(group_name)`` directly (the construction this
+    project used before) never meets SGLang's; the check ends in seconds instead of hanging."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    (port,) = free_ports(1)
+    proc = ctx.Process(target=_sglang_side, args=(port, "g", out))
+    proc.start()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=6),
+                          wait_for_workers=False)
+    with pytest.raises(RuntimeError):
+        dist.ProcessGroupGloo(dist.PrefixStore("g", store), 0, 2, timedelta(seconds=6))
+    assert out.get(timeout=30) != "joined"
+    proc.join(30)
+
+
+# ---- request and response bodies ---------------------------------------------------------------
+@pytest.mark.parametrize("receivers", [1], indirect=True)
+def test_every_client_body_is_a_valid_sglang_request(receivers: list[ReceiverProcess]) -> None:
+    """Each body the client sends parses with SGLang's request class for that endpoint (unknown
+    fields refused), and the reply's per-token versions follow SGLang's own spans."""
+    from megatron_areal.rollout.client import RolloutClient
+
+    url = receivers[0].url
+
+    async def drive() -> Any:
+        async with RolloutClient(url) as c:
+            result = await c.generate([5, 6, 7], {"max_new_tokens": 3, "temperature": 0.7, "top_p": 1.0,
+                                                  "top_k": -1, "stop_token_ids": [2]}, rid="q-1")
+            await c.pause("abort")
+            await c.abort("q-1")
+            await c.abort_all()
+            await c.begin_weight_update()
+            await c.update_weights_from_disk("/nonexistent", weight_version="3")
+            await c.end_weight_update()
+            await c.resume()
+            await c.flush_cache()
+            return result
+
+    result = asyncio.run(drive())
+    assert result.output_versions == ["previous", "previous", "default"]
+    assert result.weight_version == "default" and result.finish_reason == "length"
+    assert len(result.output_logprobs) == 3
+    paths = [e["path"] for e in receivers[0].get("/received")["received"]]
+    assert paths == ["/generate", "/pause_generation", "/abort_request", "/abort_request", "/begin_weight_update",
+                     "/update_weights_from_disk", "/end_weight_update", "/continue_generation"]
+
+
+@pytest.mark.parametrize("receivers", [1], indirect=True)
+def test_receiver_refuses_fields_sglang_does_not_know(receivers: list[ReceiverProcess]) -> None:
+    """The check can fail: a body with a field SGLang lacks, or a wrong type, is refused."""
+    from megatron_areal.rollout.client import RolloutClient, ServerError
+
+    async def drive() -> list[str]:
+        errors = []
+        async with RolloutClient(receivers[0].url) as c:
+            for endpoint, body in [("/pause_generation", {"mode": "abort", "timeout": 3}),
+                                   ("/update_weight_version", {"new_version": 4}),
+                                   ("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}})]:
+                try:
+                    await c._request("POST", endpoint, body)
+                except ServerError as e:
+                    errors.append(str(e))
+        return errors
+
+    assert len(asyncio.run(drive())) == 3
