@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.config import Config
+from megatron_areal.launch.control import StepControl
 from megatron_areal.ledger import TrainedLedger
 from megatron_areal.rollout.trajectory import Trajectory
 
@@ -112,6 +114,13 @@ def _step_metrics(stats: dict[str, float], rollout: dict[str, float], wait_s: fl
     return out
 
 
+def _agree(decision: str | None) -> str:
+    """Rank 0's decision at a step boundary, on every rank."""
+    payload = [decision]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
 def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.parallel import init_parallel
@@ -148,6 +157,20 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     before = _evaluate(side, cfg, server_urls, step, "before") if rank0 and step == 0 else None
     if rank0:
         side.controller.start()
+    saved_at = {"step": step}
+
+    def save_checkpoint(at: int, version: int) -> None:
+        """Every rank saves step ``at`` once (a checkpoint request right after a periodic save reuses it)."""
+        if saved_at["step"] == at:
+            return
+        payload = [side.controller.state_dict() if rank0 else None]
+        dist.broadcast_object_list(payload, src=0)  # every rank writes the same common state
+        checkpoints.save(at, actor.model, actor.optimizer, actor.scheduler,
+                         extra={"version": version, "rollout": payload[0]})
+        saved_at["step"] = at
+
+    control = StepControl(run_dir, rank0, agree=_agree)
+    stopped_on_request = False
     try:
         while step < cfg.train.steps:
             t0 = time.monotonic()
@@ -167,12 +190,11 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                     _evaluate(side, cfg, server_urls, step, "during")
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
-                state = side.controller.state_dict() if rank0 else None
-                payload = [state]
-                dist.broadcast_object_list(payload, src=0)  # every rank writes the same common state
-                checkpoints.save(step, actor.model, actor.optimizer, actor.scheduler,
-                                 extra={"version": version, "rollout": payload[0]})
-        if rank0:
+                save_checkpoint(step, version)
+            if step < cfg.train.steps and control.stop_after(step, save=partial(save_checkpoint, step, version)):
+                stopped_on_request = True
+                break
+        if rank0 and not stopped_on_request:  # a run stopped to requeue spends no time on the final eval
             side.controller.stop()
             after = _evaluate(side, cfg, server_urls, step, "after")
             if before is not None and after is not None:

@@ -8,6 +8,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+import uuid
 from pathlib import Path
 
 import psutil
@@ -41,13 +44,14 @@ def wait_until(cond, timeout_s: float, what: str, poll_s: float = 0.05):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def start_launcher(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start_launcher(run_dir: Path, *overrides: str, config: Path = ROOT / "configs/train_tiny.yaml",
+                   env: dict[str, str] | None = None) -> subprocess.Popen:
     base, master = free_ports(2)
-    cmd = [sys.executable, "-m", "megatron_areal.cli", "train", str(ROOT / "configs/train_tiny.yaml"),
+    cmd = [sys.executable, "-m", "megatron_areal.cli", "train", str(config),
            f"train.run_dir={run_dir}", f"server.base_port={base}", f"cluster.master_port={master}",
            "cluster.stop_grace_s=5", "train.steps=50", *overrides]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def servers_registered(run_dir: Path, count: int) -> bool:
@@ -176,3 +180,117 @@ def test_children_die_with_a_killed_launcher(tmp_path: Path) -> None:
     launcher.wait()
     wait_until(lambda: not sleeper.is_running() or sleeper.status() == psutil.STATUS_ZOMBIE, 10,
                "the child of a killed launcher to end")
+
+
+def _cmdlines_with(secret: str, skip: set[int]) -> list[str]:
+    """Command lines of every process on this machine (not only the run's) that contain ``secret``."""
+    hits = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) in skip:
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if secret.encode() in argv:
+            words = argv.replace(bytes(1), b" ").decode(errors="replace")
+            hits.append(f"{proc.name}: {words}")
+    return hits
+
+
+def _files_with(secret: str, root: Path) -> list[str]:
+    return [str(f) for f in root.rglob("*") if f.is_file() and secret.encode() in f.read_bytes()]
+
+
+def _status(url: str, key: str | None) -> int:
+    req = urllib.request.Request(url + "/model_info", headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.parametrize("route", ["yaml", "env", "override"])
+def test_api_key_never_in_argv_or_logs(tmp_path: Path, route: str) -> None:
+    """The key given in the config file, in MEGATRON_AREAL_API_KEY or as a command-line override reaches
+    every server and the trainer (a step is trained against servers that refuse requests without it),
+    yet no process's argv (``/proc/PID/cmdline``, readable by every user) and no file of the run holds it.
+    Only the launcher's own argv may, when the user typed the key there (route "override")."""
+    import yaml
+
+    key = f"sk-{uuid.uuid4().hex}"
+    run_dir = tmp_path / "run"
+    config, env, overrides = ROOT / "configs/train_tiny.yaml", {}, []
+    if route == "yaml":
+        data = yaml.safe_load((ROOT / "configs/train_tiny.yaml").read_text())
+        data["server"]["api_key"] = key
+        config = tmp_path / "with_key.yaml"
+        config.write_text(yaml.safe_dump(data))
+    elif route == "env":
+        env = {"MEGATRON_AREAL_API_KEY": key}
+    else:
+        overrides = [f"server.api_key={key}"]
+    launcher = start_launcher(run_dir, *overrides, "checkpoint.every=0", config=config, env=env)
+    try:
+        wait_until(lambda: servers_registered(run_dir, 2), 120, "two servers to register")
+        metrics = run_dir / "metrics.jsonl"
+
+        def trained() -> bool:
+            assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+            return metrics.is_file() and "train/loss" in metrics.read_text()
+
+        wait_until(trained, 240, "the trainer to train a step with the key")
+        url = json.loads(next((run_dir / "servers").iterdir()).read_text())["url"]
+        assert (_status(url, None), _status(url, key)) == (401, 200)
+        assert not _cmdlines_with(key, skip={launcher.pid} if route == "override" else set())
+        launcher.send_signal(signal.SIGINT)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert key not in out
+    assert not _files_with(key, run_dir)
+    logs = list((run_dir / "logs").glob("*.log"))
+    assert logs and all(f.stat().st_mode & 0o777 == 0o600 for f in logs), \
+        {f.name: oct(f.stat().st_mode & 0o777) for f in logs}
+
+
+def test_control_files_decide_each_step_boundary(tmp_path: Path) -> None:
+    from megatron_areal.launch import control
+
+    assert control.decide(tmp_path, 1) == "go"
+    hold = control.control_dir(tmp_path) / "hold"
+    hold.parent.mkdir()
+    hold.write_text("2")
+    assert [control.decide(tmp_path, s) for s in (1, 2, 3)] == ["go", "hold", "go"]
+    hold.write_text("")
+    assert control.decide(tmp_path, 3) == "hold"  # empty: the next boundary
+    control.request_checkpoint(tmp_path, "test")
+    assert control.decide(tmp_path, 3) == "checkpoint"  # a held trainer still answers a request
+    # rank 0 decides; the trainer saves, answers and stops; a requeued attempt forgets it all but the hold
+    decisions = iter(["hold", "checkpoint"])
+    saved = []
+    stepper = control.StepControl(tmp_path, rank0=True, agree=lambda _: next(decisions), poll_s=0.01)
+    assert stepper.stop_after(3, save=lambda: saved.append(3)) and saved == [3]
+    assert control.saved_step(tmp_path) == 3
+    control.clear_requests(tmp_path)
+    assert control.saved_step(tmp_path) is None and control.decide(tmp_path, 4) == "hold"
+
+
+def test_slurm_time_left_parsing() -> None:
+    from megatron_areal.launch.slurm import parse_time_left
+
+    assert parse_time_left("9:58") == 598 and parse_time_left("1:00:00") == 3600
+    assert parse_time_left("2-01:00:05") == 2 * 86400 + 3605
+    assert parse_time_left("UNLIMITED") is None and parse_time_left("") is None
+
+
+def test_api_key_overrides_never_reach_children() -> None:
+    from megatron_areal.launch.secrets import API_KEY_ENV, apply_env_api_key, env_with_api_key, public_overrides
+
+    assert public_overrides(["train.steps=3", "server.api_key=sk-1", " server.api_key =x"]) == ["train.steps=3"]
+    cfg = load_config(ROOT / "configs/train_tiny.yaml", ["server.api_key=sk-yaml"])
+    assert apply_env_api_key(cfg, {}).server.api_key == "sk-yaml"
+    assert apply_env_api_key(cfg, {API_KEY_ENV: "sk-env"}).server.api_key == "sk-env"
+    assert env_with_api_key({API_KEY_ENV: "old", "A": "1"}, None) == {"A": "1"}
+    assert env_with_api_key({}, "k") == {API_KEY_ENV: "k"}

@@ -1,7 +1,10 @@
 """The SGLang launcher: command construction, and the wait logic against the embedded server."""
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,12 +18,43 @@ def test_sglang_command_has_rollout_flags() -> None:
     cmd = spec.command(python="python")
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
     flags = dict(zip(cmd[3::2], cmd[4::2], strict=True))
+    key_file = flags.pop("--config")  # the key travels in a file, never in argv
     assert flags == {"--model-path": "/m", "--tp-size": "4", "--dp-size": "1", "--host": "0.0.0.0",
-                     "--port": "31000", "--mem-fraction-static": "0.8", "--api-key": "k", "--weight-version": "3",
+                     "--port": "31000", "--mem-fraction-static": "0.8", "--weight-version": "3",
                      "--random-seed": "7", "--context-length": "8192"}
+    assert Path(key_file).stat().st_mode & 0o777 == 0o600
     assert spec.url == "http://0.0.0.0:31000"
     bare = SGLangLaunch(model_path="/m", port=1, mem_fraction=None).command(python="p")
     assert "--api-key" not in bare and "--mem-fraction-static" not in bare
+
+
+def _sglang_config_merger():
+    """SGLang's own ``--config`` merger, loaded from the installed wheel's file (importing it as
+    ``sglang.srt.utils.…`` would run that package's __init__, which needs triton and CUDA)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed (the gpu extra)")
+    path = Path(spec.submodule_search_locations[0]) / "srt/utils/server_args_config_parser.py"
+    module_spec = importlib.util.spec_from_file_location("sglang_config_parser", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.ConfigArgumentMerger
+
+
+def test_sglang_gets_the_key_from_a_private_file_not_argv() -> None:
+    """What SGLang does with our command line: its own merger turns ``--config`` into ``--api-key`` in
+    memory, so the server has the key while ``/proc/PID/cmdline`` shows only the file's name."""
+    merger = _sglang_config_merger()
+    key = 'sk-"odd key: #1'
+    cmd = SGLangLaunch(model_path="/m", port=31000, api_key=key).command(python="python")
+    assert not any(key in part for part in cmd) and key not in repr(SGLangLaunch(model_path="/m", port=1,
+                                                                                 api_key=key))
+    parser = argparse.ArgumentParser()
+    for flag in ("--model-path", "--tp-size", "--dp-size", "--host", "--port", "--mem-fraction-static",
+                 "--api-key"):
+        parser.add_argument(flag)
+    args = parser.parse_args(merger(parser).merge_config_with_args(cmd[3:]))
+    assert (args.api_key, args.model_path) == (key, "/m")
 
 
 def test_wait_healthy_on_embedded_server(tiny_llama, tmp_path) -> None:

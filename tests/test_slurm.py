@@ -120,24 +120,71 @@ def test_scancel_midway_leaves_no_process(tmp_path: Path) -> None:
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
 
 
-def test_requeued_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    steps = 5
-    job = submit(run_dir, f"train.steps={steps}")
-    deadline = time.monotonic() + 180
-    while not (run_dir / "checkpoints" / "step_00000002").is_dir():  # published atomically once complete
+def hold_at(run_dir: Path, step: int) -> Path:
+    """Make the trainer stop at the boundary after ``step`` until the test removes the file: the job is
+    then at a known step for as long as the test needs, however fast it trains."""
+    hold = run_dir / "control" / "hold"
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    hold.write_text(str(step))
+    return hold
+
+
+def wait_held(job: str, run_dir: Path, step: int, timeout_s: float = 180) -> None:
+    held = run_dir / "control" / "held"
+    deadline = time.monotonic() + timeout_s
+    while not (held.is_file() and json.loads(held.read_text() or "{}").get("step") == step):
         assert job_field(job, "JobState") in ("PENDING", "RUNNING"), logs_of(run_dir)
-        assert time.monotonic() < deadline, "no checkpoint of step 2:\n" + logs_of(run_dir)
+        assert time.monotonic() < deadline, f"trainer not holding at step {step}:\n" + logs_of(run_dir)
         time.sleep(0.5)
-    subprocess.run(["scontrol", "requeue", job], check=True)  # what a node failure or preemption does
-    wait_state(job, {"PENDING"}, 60)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)  # skip requeue hold
+
+
+def release_and_finish(job: str, run_dir: Path, hold: Path) -> None:
+    """The job is back in the queue: lift the hold, start it now (not after the requeue delay), let it end."""
+    hold.unlink()
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
     state = wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 240)
     assert (state, job_field(job, "ExitCode"), job_field(job, "Restarts")) == ("COMPLETED", "0:0", "1"), \
         logs_of(run_dir)
+
+
+def trained_steps(run_dir: Path) -> Counter:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return Counter(m["step"] for m in lines if "train/loss" in m)
+
+
+def test_requeued_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    steps = 5
+    hold = hold_at(run_dir, 2)
+    job = submit(run_dir, f"train.steps={steps}")
+    wait_held(job, run_dir, 2)
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()  # checkpoint.every: 1
+    subprocess.run(["scontrol", "requeue", job], check=True)  # what a node failure or preemption does
+    wait_state(job, {"PENDING"}, 60)
+    release_and_finish(job, run_dir, hold)
     batch_log = next(run_dir.parent.glob("slurm-*.log")).read_text()
     assert "attempt 1" in batch_log and "attempt 2" in batch_log
-    trained = Counter(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                      if "train/loss" in json.loads(line))
+    trained = trained_steps(run_dir)
     assert set(trained) == set(range(1, steps + 1)), trained
     assert trained[1] == trained[2] == 1, f"steps before the checkpoint were trained again: {trained}"
+
+
+def test_usr1_saves_a_checkpoint_then_requeues(tmp_path: Path) -> None:
+    """``#SBATCH --signal=B:USR1@...`` before the time limit: the trainer saves a checkpoint at the next
+    step boundary (here step 2, which periodic checkpoints would not have saved) and the job requeues
+    itself; the next attempt trains steps 3.. only."""
+    run_dir = tmp_path / "run"
+    steps = 5
+    hold = hold_at(run_dir, 2)
+    job = submit(run_dir, f"train.steps={steps}", "checkpoint.every=100")
+    wait_held(job, run_dir, 2)
+    assert not (run_dir / "checkpoints" / "step_00000002").exists()
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)  # what --signal=B:USR1@T sends
+    wait_state(job, {"PENDING"}, 120)
+    assert json.loads((run_dir / "control" / "saved").read_text()) == {"step": 2}
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
+    release_and_finish(job, run_dir, hold)
+    batch_log = next(run_dir.parent.glob("slurm-*.log")).read_text()
+    assert "SIGUSR1" in batch_log and "attempt 2" in batch_log, batch_log
+    trained = trained_steps(run_dir)
+    assert set(trained) == set(range(1, steps + 1)) and set(trained.values()) == {1}, trained

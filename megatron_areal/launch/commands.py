@@ -51,9 +51,7 @@ def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path)
         cmd += ["--device", "cuda"]
     if cfg.model.dtype != "auto":
         cmd += ["--dtype", cfg.model.dtype]
-    if cfg.server.api_key:
-        cmd += ["--api-key", cfg.server.api_key]
-    return cmd
+    return cmd  # the API key travels in the environment (launch/secrets.py), never in argv
 
 
 def weight_group_address(plan: Plan, node_rank: int, config_path: str, overrides: list[str]) -> list[str]:

@@ -19,6 +19,9 @@ class ClusterConfig:
     gpu_memory_gb: float = 80.0  # per GPU, for the dry-run memory check
     model_params_b: float = 0.0  # billions of parameters; 0: count them from the model's config.json
     stop_grace_s: float = 10.0  # SIGTERM -> SIGKILL delay when stopping child processes
+    # Slurm USR1 (time limit near): how long the trainer may take to reach a step boundary and save a
+    # checkpoint before the job requeues anyway; keep it below the lead time of #SBATCH --signal
+    requeue_grace_s: float = 480.0
 
     def validate(self) -> None:
         require(self.nodes >= 1, "nodes", "must be >= 1")
@@ -32,3 +35,4 @@ class ClusterConfig:
         require(self.gpu_memory_gb > 0, "gpu_memory_gb", "must be positive")
         require(self.model_params_b >= 0, "model_params_b", "must be >= 0")
         require(self.stop_grace_s >= 0, "stop_grace_s", "must be >= 0")
+        require(self.requeue_grace_s >= 0, "requeue_grace_s", "must be >= 0")

@@ -8,10 +8,12 @@ from pathlib import Path
 
 from megatron_areal.config import Config
 from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
+from megatron_areal.launch.control import clear_requests
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import ProcessSet, Stopped, supervised
 from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
+from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], model_dir: st
     """Run the job on this machine; returns the trainer's exit code (non-zero on any failure)."""
     paths = run_paths(cfg.train.run_dir)
     clear_registrations(paths["servers"])
+    clear_requests(paths["root"])
+    apply_env_api_key(cfg)
+    overrides = public_overrides(overrides)
     plan = local_plan(cfg)
     plan.save(paths["plan"])
     logger.info("%s", describe(plan, "this machine"))
@@ -83,7 +88,7 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
         name = f"server-{i}"
         servers[name] = slot
         procs.start(name, server_command(slot, cfg, model_dir, paths["servers"]),
-                    role_env(slot.gpus, False, threads=cfg.server.threads))
+                    env_with_api_key(role_env(slot.gpus, False, threads=cfg.server.threads), cfg.server.api_key))
 
     def dead_server() -> str | None:
         for c in procs.exited():
@@ -94,8 +99,8 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
     wait_for_servers(paths["servers"], list(plan.servers), cfg.server.startup_timeout_s, dead_server)
     t = plan.trainer
     cmd = trainer_command(plan, 0, config_path, overrides, paths["plan"])
-    trainer = procs.start("trainer", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port),
-                                                   threads=cfg.cluster.cpu_threads))
+    env = role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port), threads=cfg.cluster.cpu_threads)
+    trainer = procs.start("trainer", cmd, env_with_api_key(env, cfg.server.api_key))
     first = procs.wait_any()
     if first is trainer:
         rc = trainer.returncode() or 0

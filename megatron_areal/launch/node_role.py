@@ -13,14 +13,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
+from types import FrameType
 
 from megatron_areal.config import Config, load_config
 from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
+from megatron_areal.launch.control import request_checkpoint
 from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.launch.procs import Child, ProcessSet, Stopped, supervised
+from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key
 from megatron_areal.server.cli import write_registration
 from megatron_areal.server.sglang_launcher import LaunchError as SGLangLaunchError
 from megatron_areal.server.sglang_launcher import wait_healthy
@@ -43,7 +47,8 @@ def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, pr
     if not slots:
         raise RuntimeError(f"the plan puts no rollout server on node {node}")
     started = [(slot, procs.start(f"server-{slot.id}", server_command(slot, cfg, cfg.model.path, reg),
-                                  role_env(slot.gpus, False, threads=cfg.server.threads))) for slot in slots]
+                                  env_with_api_key(role_env(slot.gpus, False, threads=cfg.server.threads),
+                                                   cfg.server.api_key))) for slot in slots]
     if cfg.server.engine == "sglang":
         try:
             _register_when_healthy(started, cfg, reg)
@@ -74,6 +79,15 @@ def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespac
     return child.returncode() or 0
 
 
+def _checkpoint_on_usr1(run_dir: str, node: str) -> None:
+    """USR1 sent to the job's steps (``--signal=USR1@T`` without ``B:``) lands here: ask the trainer for
+    a checkpoint, as the batch step does, instead of dying of the signal's default action."""
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        request_checkpoint(run_dir, f"SIGUSR1 to the node agent on {node}")
+
+    signal.signal(signal.SIGUSR1, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron_areal.launch.node_role")
     parser.add_argument("role", choices=["rollout", "trainer"])
@@ -85,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     plan = Plan.load(args.plan)
     node = this_node(plan)
-    cfg = load_config(args.config, args.overrides)
+    cfg = apply_env_api_key(load_config(args.config, args.overrides))
+    _checkpoint_on_usr1(cfg.train.run_dir, node)
     logs = run_paths(cfg.train.run_dir)["logs"]
     run = run_rollout if args.role == "rollout" else run_trainer_node
     try:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import BinaryIO
 
 import psutil
 
@@ -30,6 +31,15 @@ def _die_with_parent() -> None:
     """Runs in each child before exec: if the launcher itself is killed outright (SIGKILL, the OOM
     killer), the kernel sends the child SIGTERM, so even then nothing it started keeps running."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def open_private_log(path: Path) -> BinaryIO:
+    """Append to ``path``, readable by its owner only (0600, also when an earlier attempt made it
+    with a wider mode): a server's log may hold what its program prints about its own settings
+    (SGLang logs every server argument at start-up, the API key among them)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 @dataclass
@@ -76,7 +86,7 @@ class ProcessSet:
         log_path = self.log_dir / f"{name}.log"
         self._starting = True
         try:
-            with open(log_path, "ab") as log:  # append: a requeued job keeps the earlier attempt's log
+            with open_private_log(log_path) as log:  # append: a requeued job keeps the earlier attempt's log
                 log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(cmd)}\n".encode())
                 log.flush()
                 popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -94,13 +104,18 @@ class ProcessSet:
     def exited(self) -> list[Child]:
         return [c for c in self.children if c.returncode() is not None]
 
+    def first_exited(self, names: set[str] | None = None) -> Child | None:
+        """A child (of ``names``, or any) that has exited, without waiting; None while all run."""
+        for c in self.children:
+            if (names is None or c.name in names) and c.returncode() is not None:
+                return c
+        return None
+
     def wait_any(self, names: set[str] | None = None, poll_s: float = 0.2) -> Child:
         """Block until one child (of ``names``, or any) exits; return it."""
-        while True:
-            for c in self.children:
-                if (names is None or c.name in names) and c.returncode() is not None:
-                    return c
+        while (c := self.first_exited(names)) is None:
             time.sleep(poll_s)
+        return c
 
     def _descendants(self) -> list[psutil.Process]:
         """Every process below the children (not the children: Popen reaps those, keeping their codes)."""

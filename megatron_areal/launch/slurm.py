@@ -16,16 +16,19 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 
 from megatron_areal.config import Config
 from megatron_areal.launch.checks import check_plan
 from megatron_areal.launch.commands import run_paths
+from megatron_areal.launch.control import clear_requests, request_checkpoint, saved_step
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import Child, ProcessSet, Stopped, supervised
 from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
+from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +97,61 @@ def _role_entry(role: str, plan_path: Path, config_path: str, overrides: list[st
             config_path, *overrides]
 
 
-def _requeue_on_usr1(_signum: int, _frame: FrameType | None) -> None:
-    """``#SBATCH --signal=B:USR1@...``: the time limit is near; put the job back in the queue."""
-    job = os.environ.get("SLURM_JOB_ID")
-    logger.warning("SIGUSR1: time limit near, requeueing job %s (it resumes from the newest checkpoint)", job)
-    if job:
-        subprocess.run(["scontrol", "requeue", job], check=False)
+class RequeueOnUsr1:
+    """``#SBATCH --signal=B:USR1@T``: the time limit is T seconds away. Requeueing at once would lose
+    every step since the last periodic checkpoint, so USR1 only asks the trainer (through
+    ``RUN_DIR/control/checkpoint``) to save at its next step boundary and stop; the job requeues when
+    the trainer has answered, or when ``grace_s`` has passed without an answer (capped at the job's
+    time left minus a minute), or at once when no trainer runs yet. The next attempt resumes from the
+    newest checkpoint."""
+
+    def __init__(self, run_dir: Path, grace_s: float, job: str | None) -> None:
+        self.run_dir, self.grace_s, self.job = run_dir, grace_s, job
+        self.deadline: float | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR1, self._on_signal)
+
+    def _on_signal(self, _signum: int, _frame: FrameType | None) -> None:
+        if self.deadline is not None:
+            return
+        left = time_left_s(self.job)
+        grace = self.grace_s if left is None else max(0.0, min(self.grace_s, left - 60))
+        self.deadline = time.monotonic() + grace
+        request_checkpoint(self.run_dir, f"SIGUSR1 to the batch step of job {self.job}")
+        logger.warning("SIGUSR1: time limit near; asked the trainer for a checkpoint at its next step boundary "
+                       "(requeueing job %s once it is saved, within %.0f s)", self.job, grace)
+
+    @property
+    def asked(self) -> bool:
+        return self.deadline is not None
+
+    def overdue(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def requeue(self, why: str) -> None:
+        logger.warning("requeueing job %s: %s; the next attempt resumes from the newest checkpoint", self.job, why)
+        if self.job:
+            subprocess.run(["scontrol", "requeue", self.job], check=False)
+
+
+def time_left_s(job: str | None) -> float | None:
+    """Seconds until the job's time limit (``squeue -o %L``: ``[D-]HH:MM:SS``, ``MM:SS``); None if unknown."""
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    return parse_time_left(out.stdout.strip())
+
+
+def parse_time_left(text: str) -> float | None:
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+    if not m:
+        return None  # UNLIMITED, INVALID, empty
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
 def plan_allocation(cfg: Config, eta_explicit: bool, env: dict[str, str]) -> Plan:
@@ -119,24 +171,53 @@ def run_slurm(cfg: Config, config_path: str, overrides: list[str], eta_explicit:
         return 2
     paths = run_paths(cfg.train.run_dir)
     clear_registrations(paths["servers"])
+    clear_requests(paths["root"])
     plan.save(paths["plan"])
-    signal.signal(signal.SIGUSR1, _requeue_on_usr1)
+    apply_env_api_key(cfg, env)
+    env = env_with_api_key(env, cfg.server.api_key)  # srun hands the environment to every node
+    usr1 = RequeueOnUsr1(paths["root"], cfg.cluster.requeue_grace_s, env.get("SLURM_JOB_ID"))
+    usr1.install()
     try:
         with supervised(ProcessSet(paths["logs"], cfg.cluster.stop_grace_s)) as procs:
-            return _run_steps(plan, cfg, procs, paths, config_path, overrides, env)
+            rc = _run_steps(plan, cfg, procs, paths, config_path, public_overrides(overrides), env, usr1)
     except Stopped as e:
         logger.warning("%s received: stopped both job steps", e)
         return e.code
+    except LaunchError as e:
+        if not usr1.asked:
+            raise
+        logger.error("%s", e)
+        rc = None
+    return _requeue_if_asked(usr1, rc, paths["root"])
+
+
+def _requeue_if_asked(usr1: RequeueOnUsr1, rc: int | None, run_dir: Path) -> int:
+    """After both steps stopped: requeue when USR1 asked for it. ``rc`` is the trainer step's code, or
+    None when it was not waited for (no trainer yet, or no answer in time)."""
+    if not usr1.asked:
+        return rc or 0
+    step = saved_step(run_dir)
+    if step is not None:
+        usr1.requeue(f"the trainer saved a checkpoint at step {step} and stopped")
+        return 0
+    if rc == 0:
+        logger.info("SIGUSR1 arrived, but the trainer finished every step first: not requeueing")
+        return 0
+    usr1.requeue("the trainer did not save a checkpoint in time" if rc is None else
+                 f"the trainer step exited with code {rc} before saving")
+    return 0
 
 
 def _run_steps(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path], config_path: str,
-               overrides: list[str], env: dict[str, str]) -> int:
+               overrides: list[str], env: dict[str, str], usr1: RequeueOnUsr1) -> int | None:
     rollout_nodes = plan.nodes_with_role("rollout")
     rollout = procs.start("srun-rollout", srun_command(
         plan, "rollout", rollout_nodes, paths["logs"], _role_entry("rollout", paths["plan"], config_path, overrides),
-        env))
+        env), env)
 
     def rollout_died() -> str | None:
+        if usr1.asked:
+            return "SIGUSR1 arrived before the trainer started: nothing to checkpoint"
         if rollout.returncode() is None:
             return None
         return (f"the rollout step exited with code {rollout.returncode()} before all servers registered; "
@@ -145,8 +226,18 @@ def _run_steps(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
     wait_for_servers(paths["servers"], list(plan.servers), cfg.server.startup_timeout_s, rollout_died)
     trainer = procs.start("srun-trainer", srun_command(
         plan, "trainer", list(plan.trainer.nodes), paths["logs"],
-        _role_entry("trainer", paths["plan"], config_path, overrides), env))
-    return _outcome(procs.wait_any(), trainer, paths["logs"])
+        _role_entry("trainer", paths["plan"], config_path, overrides), env), env)
+    first = _wait_unless_overdue(procs, usr1)
+    return None if first is None else _outcome(first, trainer, paths["logs"])
+
+
+def _wait_unless_overdue(procs: ProcessSet, usr1: RequeueOnUsr1, poll_s: float = 0.2) -> Child | None:
+    """The first step to exit, or None when a USR1 request went unanswered past its deadline."""
+    while (first := procs.first_exited()) is None:
+        if usr1.overdue():
+            return None
+        time.sleep(poll_s)
+    return first
 
 
 def _outcome(first: Child, trainer: Child, logs: Path) -> int:

@@ -1,21 +1,35 @@
 """Entry point of every trainer rank (run under torchrun, or alone for a world of one).
 
 ``python -m megatron_areal.launch.trainer_main --plan RUN_DIR/plan.json CONFIG [key=value ...]``
-waits for the rollout servers of the plan to register, then hands over to the training loop.
+waits for the rollout servers of the plan to register, then hands over to the training loop. The API
+key comes from ``MEGATRON_AREAL_API_KEY`` (launch/secrets.py); SIGUSR1 asks for a checkpoint and a stop.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
+from types import FrameType
 
 from megatron_areal.config import load_config
 from megatron_areal.launch.commands import run_paths
+from megatron_areal.launch.control import request_checkpoint
 from megatron_areal.launch.plan import Plan
 from megatron_areal.launch.registry import wait_for_servers
+from megatron_areal.launch.secrets import apply_env_api_key
 
 logger = logging.getLogger(__name__)
+
+
+def _checkpoint_on_usr1(run_dir: str) -> None:
+    """``kill -USR1`` of any trainer rank (or ``srun --signal``) asks for a checkpoint at the next step
+    boundary, then a stop: the same request the Slurm batch step writes when USR1 reaches it."""
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        request_checkpoint(run_dir, f"SIGUSR1 to trainer rank {os.environ.get('RANK', '0')}")
+
+    signal.signal(signal.SIGUSR1, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    cfg = load_config(args.config, args.overrides)
+    cfg = apply_env_api_key(load_config(args.config, args.overrides))
+    _checkpoint_on_usr1(cfg.train.run_dir)
     plan = Plan.load(args.plan)
     urls = wait_for_servers(run_paths(cfg.train.run_dir)["servers"], list(plan.servers),
                             cfg.server.startup_timeout_s)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+API_KEY_ENV = "MEGATRON_AREAL_API_KEY"  # how the launcher hands the key to a server (never in argv)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -20,7 +21,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' except on /health")
+    p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' except on /health "
+                   f"(visible to every user in the process list: prefer --api-key-file or ${API_KEY_ENV})")
+    p.add_argument("--api-key-file", default=None, help=f"read the key from this file (default: ${API_KEY_ENV})")
     p.add_argument("--max-running", type=int, default=32, help="sequences decoded together (KV cache slots)")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before answering 503")
     p.add_argument("--context-length", type=int, default=None, help="tokens per KV slot (prompt + output)")
@@ -34,12 +37,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--register-dir", default=None, help="write DIR/<server-id> (url, pid, model) once healthy")
     p.add_argument("--server-id", default=None, help="name of the registration file (default: host-port)")
     args = p.parse_args(argv)
+    args.api_key = _api_key(p, args)
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there (is it a Hugging Face model folder?)")
     for flag in ("max_running", "max_queue", "max_prefill_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     return args
+
+
+def _api_key(p: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file, else $MEGATRON_AREAL_API_KEY: the launcher uses the environment,
+    because a command line is readable by every user of the machine."""
+    if args.api_key and args.api_key_file:
+        p.error("give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            p.error(f"--api-key-file: {e}")
+        if not key:
+            p.error(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 def write_registration(directory: str, server_id: str, info: dict[str, Any]) -> Path:
