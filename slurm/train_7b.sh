@@ -21,8 +21,12 @@
 # (rendezvous on the first of them), the other nodes run SGLang servers that register in
 # RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log (node agents), torchrun-<node>.log
 # and server-<id>.log.
-# Requeue (node failure, preemption, or the time limit: USR1 arrives 10 min before it and the job
-# requeues itself) reruns this script; the trainer resumes from the newest checkpoint in RUN_DIR.
+# Requeue (node failure, preemption, or the time limit) reruns this script; the trainer resumes from the
+# newest checkpoint in RUN_DIR. Before the time limit USR1 reaches the batch step (--signal, 10 min
+# ahead): the trainer saves a checkpoint at its next step boundary (RUN_DIR/control/checkpoint) and
+# stops, then the job requeues itself; without an answer within cluster.requeue_grace_s (8 min) it
+# requeues anyway. The rollout API key: `export MEGATRON_AREAL_API_KEY=...` before sbatch (the job
+# inherits the environment; the key never appears on a command line).
 #SBATCH --job-name=areal-7b
 #SBATCH --nodes=24
 #SBATCH --gpus-per-node=8

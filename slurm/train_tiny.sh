@@ -13,13 +13,16 @@
 # register in RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log (node agents),
 # torchrun-<node>.log, server-<id>.log.
 # CI submits this to its two-node local cluster (.ci/slurm_up.sh) and checks the steps and the
-# TensorBoard events; a requeued job resumes from the newest checkpoint in RUN_DIR.
+# TensorBoard events; a requeued job resumes from the newest checkpoint in RUN_DIR. USR1 (here 2 min
+# before the time limit, as in the GPU scripts) saves a checkpoint at the next step boundary and
+# requeues the job.
 #SBATCH --job-name=areal-tiny
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --time=00:15:00
+#SBATCH --signal=B:USR1@120
 #SBATCH --output=slurm-%x-%j.log
 set -euo pipefail
 cd "${MEGATRON_AREAL_ROOT:-${SLURM_SUBMIT_DIR:-.}}"
