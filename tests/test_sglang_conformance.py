@@ -193,3 +193,54 @@ def test_receiver_refuses_fields_sglang_does_not_know(receivers: list[ReceiverPr
         return errors
 
     assert len(asyncio.run(drive())) == 3
+
+
+# ---- pipeline stages against several servers -----------------------------------------------------
+def _w_push_pp2(model_dir: str, urls: list[str], version: str) -> list[str]:
+    from megatron_areal.actor.model import build_model
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.convert.arch import load_arch
+    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.realloc.config import ReallocConfig
+    from megatron_areal.realloc.sync import WeightSync
+
+    groups = init_parallel(tp=1, pp=2, backend="gloo")
+    arch = load_arch(model_dir)
+    chunks = build_model(arch, tp=1, pp=2, pp_rank=groups.pp_rank)
+    load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
+    config = ReallocConfig(bucket_mb=0.05, timeout_s=60.0, master_address="127.0.0.1")
+    sync = WeightSync(chunks, arch, groups, urls, config=config)
+    try:
+        return sync.sync(version).servers
+    finally:
+        sync.close()
+        teardown_parallel()
+
+
+@pytest.mark.parametrize("receivers", [3], indirect=True)
+def test_pipeline_stages_reach_three_sglang_servers_one_at_a_time(receivers: list[ReceiverProcess],
+                                                                   tmp_path: Path) -> None:
+    """PP2 trainer, three servers that each take one weight operation at a time: every server gets
+    every tensor bitwise, and sees stage 0's group entirely before stage 1's (two groups streaming
+    to the same servers at once is what deadlocks NCCL)."""
+    from megatron_areal.assets import make_tiny_model
+    from megatron_areal.convert.spawn import WorkerPool
+    from megatron_areal.server.weights import read_safetensors
+
+    model = make_tiny_model(tmp_path / "model", "llama", seed=5)
+    urls = [r.url for r in receivers]
+    pool = WorkerPool(2, timeout_s=180)
+    try:
+        servers = pool.run(_w_push_pp2, str(model), urls, "1")
+    finally:
+        pool.close()
+    assert servers == [urls, urls]
+    want = {n: sha(t) for n, t in read_safetensors(model).items()}
+    orders = []
+    for r in receivers:
+        got = {n: v["sha256"] for n, v in r.get("/weights_checksum")["checksums"].items()}
+        assert set(want) - set(got) <= {"lm_head.weight"}
+        assert got == {n: want[n] for n in got}
+        orders.append([int(name.split("-")[1].removeprefix("stage")) for name in r.get("/received")["updates"]])
+    assert all(order == orders[0] for order in orders), orders
+    assert orders[0] == sorted(orders[0]) and set(orders[0]) == {0, 1}, orders[0]

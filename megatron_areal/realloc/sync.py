@@ -201,10 +201,18 @@ class WeightSync:
             return self._push_disk(version, list(servers))
         local = _Outcome()
         link = None
-        if self.is_head and servers:
-            link, local.errors = self._link_for(servers, temporary)
-        if self.groups.dp_rank == 0 and servers:
-            self._stream(link, version, local)
+        for stage in range(self.groups.pp):
+            # One stage at a time: a server takes one weight operation at a time, in arrival order,
+            # and a broadcast needs every receiver, so two stages' groups forming or streaming to
+            # the same servers at once can deadlock (server A inside stage 0's broadcast waits for
+            # B, which is inside stage 1's and waits for A).
+            if stage == self.groups.pp_rank and servers:
+                if self.is_head:
+                    link, local.errors = self._link_for(servers, temporary)
+                if self.groups.dp_rank == 0:
+                    self._stream(link, version, local)
+            if self.groups.pp > 1:
+                dist.barrier(group=self.control_group)
         outcome = self._merge(local)
         if link is not None and (temporary or outcome.errors):
             link.destroy([u for u in servers if u not in outcome.errors])
