@@ -230,6 +230,7 @@ def test_mismatched_bucket_is_refused_and_old_weights_stay(world: dict[str, Any]
             group = await asyncio.to_thread(WeightUpdateGroup, master_address="127.0.0.1", master_port=port,
                                             rank=0, world_size=2, group_name="bad", timeout_s=20)
             await init
+            await c.begin_weight_update()  # SGLang 0.5.23 refuses updates outside begin/end
             for names, shapes, _ in bad:
                 call = asyncio.create_task(c.update_weights_from_distributed(
                     names=names, dtypes=["float32"], shapes=shapes, group_name="bad", weight_version="bad"))
@@ -237,6 +238,7 @@ def test_mismatched_bucket_is_refused_and_old_weights_stay(world: dict[str, Any]
                 with pytest.raises(ServerError) as err:
                     await call
                 messages.append(str(err.value))
+            await c.end_weight_update()
             await c.destroy_weights_update_group("bad")
             group.destroy()
         return messages

@@ -297,6 +297,8 @@ def test_distributed_update_over_gloo(server, models) -> None:
         with ThreadPoolExecutor(1) as ex:
             return post(ex, tensors, shapes, flat, version).result(timeout=60)
 
+    # SGLang 0.5.23 refuses distributed updates outside /begin_weight_update ... /end_weight_update
+    assert call(server.url, "/begin_weight_update", {"selector": "all"})[0] == 200
     before = _checksums(server.url)
     bad = {names[0]: torch.zeros(3, 3)}
     status, reply = push(bad, [[3, 3]], False, "bad")
@@ -312,6 +314,7 @@ def test_distributed_update_over_gloo(server, models) -> None:
         assert [r.result(timeout=60)[0] for r in replies] == [200, 200]
     assert _checksums(server.url) == {n: tensor_checksum(new[n]) for n in names}
     assert call(server.url, "/get_weight_version")[1]["weight_version"] == "v1"
+    assert call(server.url, "/end_weight_update", {})[0] == 200
     assert call(server.url, "/destroy_weights_update_group", {"group_name": "wug"})[0] == 200
     group.destroy()
 

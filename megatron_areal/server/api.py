@@ -14,6 +14,7 @@ from aiohttp import web
 from megatron_areal.server.engine import Engine, QueueFull
 from megatron_areal.server.protocol import BadRequest, parse_generate, response
 from megatron_areal.server.scheduler import Request
+from megatron_areal.server.weight_queue import WeightQueue
 from megatron_areal.server.weights import WeightError, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,11 @@ class Api:
         self.running = asyncio.Event()
         self.running.set()
         self.in_flight: set[str] = set()
-        # Collectives on one group must run in the trainer's order: buckets are received one at a
-        # time, in arrival order (asyncio.Lock is FIFO), never from two threads at once.
-        self.update_lock = asyncio.Lock()
+        # Every weight operation (join, destroy, begin/end, updates from the trainer or disk) runs
+        # on this one thread in arrival order, as SGLang's scheduler runs them: collectives on one
+        # group follow the trainer's order, no two groups receive at once, and a join that hangs
+        # never occupies the threads that pause, continue and abort use.
+        self.weights = WeightQueue()
 
     def app(self, max_body_bytes: int) -> web.Application:
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
@@ -88,8 +91,8 @@ class Api:
         r.add_post("/update_weights_from_distributed", self.update_distributed)
         r.add_post("/update_weights_from_disk", self.update_disk)
         r.add_post("/update_weights_from_tensor", self.update_tensor)
-        r.add_post("/begin_weight_update", self.accept)
-        r.add_post("/end_weight_update", self.accept)
+        r.add_post("/begin_weight_update", self.begin_update)
+        r.add_post("/end_weight_update", self.end_update)
         return app
 
     @web.middleware
@@ -153,10 +156,22 @@ class Api:
                 await asyncio.wait(pending)
 
     async def health(self, request: web.Request) -> web.Response:
-        alive = self.engine.alive
         if request.path == "/ready" and self.engine.paused:
             return web.Response(status=503)
+        if request.path != "/ready" and not await self._generation_resumes():
+            return web.Response(status=503)
+        alive = self.engine.alive
         return web.Response(status=200 if alive else 503)
+    async def _generation_resumes(self) -> bool:
+        """SGLang's /health generates one token, so while paused it waits; 503 after the health timeout.
+
+        Liveness during a weight update is ``/model_info``, which always answers.
+        """
+        try:
+            await asyncio.wait_for(self.running.wait(), timeout=self.engine.opts.health_timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     # ---- control -------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
@@ -187,10 +202,17 @@ class Api:
             return web.Response(text="Cache flushed.\n")
         return web.Response(status=400, text="Cache not flushed: requests are running or queued.\n")
 
-    async def accept(self, request: web.Request) -> web.Response:
-        """begin/end_weight_update: SGLang 0.5.23 requires them; updates here need no bracketing."""
+    async def begin_update(self, request: web.Request) -> web.Response:
+        """Open the session that distributed and tensor updates need (SGLang 0.5.23); one at a time."""
+        body = await _json(request, optional=True)
+        _field(body, "selector", str, "all")
+        await self.weights.run(self.engine.begin_weight_update)
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_update(self, request: web.Request) -> web.Response:
         await _json(request, optional=True)
-        return web.json_response({"success": True, "message": "ok"})
+        await self.weights.run(self.engine.end_weight_update)
+        return web.json_response({"success": True, "message": "Success"})
 
     # ---- info ----------------------------------------------------------------------------
     async def get_weight_version(self, request: web.Request) -> web.Response:
@@ -236,17 +258,18 @@ class Api:
     # ---- weights -------------------------------------------------------------------------
     async def init_group(self, request: web.Request) -> web.Response:
         b = await _json(request)
-        await asyncio.to_thread(
+        await self.weights.run(
             self.engine.init_group, master_address=_field(b, "master_address", str),
             master_port=_field(b, "master_port", int), rank_offset=_field(b, "rank_offset", int),
             world_size=_field(b, "world_size", int),
             group_name=_field(b, "group_name", str, "weight_update_group"),
-            backend=_field(b, "backend", str, "nccl" if self.engine.device.type == "cuda" else "gloo"))
+            backend=_field(b, "backend", str, "nccl" if self.engine.device.type == "cuda" else "gloo"),
+            timeout_s=self._join_timeout(b))
         return web.json_response({"success": True, "message": "joined the weight update group"})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         b = await _json(request, optional=True)
-        await asyncio.to_thread(self.engine.destroy_group, _field(b, "group_name", str, "weight_update_group"))
+        await self.weights.run(self.engine.destroy_group, _field(b, "group_name", str, "weight_update_group"))
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def update_distributed(self, request: web.Request) -> web.Response:
@@ -261,11 +284,10 @@ class Api:
         version = _field(b, "weight_version", (str, int), None)
         if _field(b, "abort_all_requests", bool, False):
             await asyncio.to_thread(self.engine.abort, None)
-        async with self.update_lock:
-            await asyncio.to_thread(
-                self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
-                group_name=_field(b, "group_name", str, "weight_update_group"),
-                version=None if version is None else str(version), flattened=load_format == "flattened_bucket")
+        await self.weights.run(
+            self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
+            group_name=_field(b, "group_name", str, "weight_update_group"),
+            version=None if version is None else str(version), flattened=load_format == "flattened_bucket")
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
 
     async def update_disk(self, request: web.Request) -> web.Response:
@@ -274,12 +296,24 @@ class Api:
         version = _field(b, "weight_version", (str, int), None)
         if _field(b, "abort_all_requests", bool, False):
             await asyncio.to_thread(self.engine.abort, None)
-        await asyncio.to_thread(self.engine.update_from_disk, path, None if version is None else str(version))
+        await self.weights.run(self.engine.update_from_disk, path, None if version is None else str(version))
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
 
     async def update_tensor(self, request: web.Request) -> web.Response:
+        await _json(request, optional=True)
+        await self.weights.run(self.engine.require_update_session, "update_weights_from_tensor")
         return _refused("update_weights_from_tensor needs CUDA IPC on one node; use "
                         "/update_weights_from_distributed")
+
+    def _join_timeout(self, body: dict[str, Any]) -> float:
+        """Seconds a join (and the group's collectives) may wait: the request's, at most the server's."""
+        limit = self.engine.opts.weight_group_timeout_s
+        asked = _field(body, "timeout_s", (int, float), None)
+        if asked is None:
+            return limit
+        if asked <= 0:
+            raise BadRequest(f"timeout_s: {asked} must be > 0")
+        return min(float(asked), limit)
 
 
 def _resolve(future: asyncio.Future[Request], req: Request) -> None:

@@ -30,6 +30,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill batch")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--weight-group-timeout", type=float, default=300.0,
+                   help="seconds a weight-group join or broadcast may wait (a request's timeout_s is capped by it)")
+    p.add_argument("--health-timeout", type=float, default=20.0,
+                   help="while paused, /health waits this long for generation to resume, then answers 503")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
@@ -43,6 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for flag in ("max_running", "max_queue", "max_prefill_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("weight_group_timeout", "health_timeout"):
+        if not getattr(args, flag) > 0:
+            p.error(f"--{flag.replace('_', '-')} must be > 0")
     return args
 
 
@@ -83,7 +90,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     opts = EngineOptions(max_running=args.max_running, max_queue=args.max_queue,
                          context_length=args.context_length, max_prefill_tokens=args.max_prefill_tokens,
-                         seed=args.seed, device=args.device, dtype=args.dtype, weight_version=args.weight_version)
+                         seed=args.seed, device=args.device, dtype=args.dtype, weight_version=args.weight_version,
+                         weight_group_timeout_s=args.weight_group_timeout, health_timeout_s=args.health_timeout)
     tokenizer = None if args.skip_tokenizer_init else await asyncio.to_thread(load_tokenizer, args.model)
     decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     engine = await asyncio.to_thread(Engine, args.model, opts, decode)

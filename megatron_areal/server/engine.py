@@ -20,7 +20,14 @@ from megatron_areal.server.kv_cache import KVCache
 from megatron_areal.server.model import CausalLM, ForwardBatch, rope_inv_freq
 from megatron_areal.server.sampler import SamplingParams, sample
 from megatron_areal.server.scheduler import Request, Scheduler
-from megatron_areal.server.weights import WeightError, checksums, load_weights, parse_dtype, read_safetensors
+from megatron_areal.server.weights import (
+    WeightError,
+    check_bucket_offsets,
+    checksums,
+    load_weights,
+    parse_dtype,
+    read_safetensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,8 @@ class EngineOptions:
     device: str = "cpu"
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
     weight_version: str = "default"
+    weight_group_timeout_s: float = 300.0  # joining a weight-update group, and each of its collectives
+    health_timeout_s: float = 20.0  # /health while paused waits this long, then answers 503 (SGLang: 20 s)
 
 
 class Engine:
@@ -63,6 +72,7 @@ class Engine:
         self.weight_version = opts.weight_version
         self.paused = False
         self.groups: dict[str, WeightUpdateGroup] = {}
+        self._update_session = False  # between /begin_weight_update and /end_weight_update
         self._seeds = random.Random(opts.seed)
         self._lock = threading.Lock()  # held by a model step and by control operations
         self._work = threading.Event()  # set when the runner may have something to do
@@ -232,10 +242,31 @@ class Engine:
         with self._lock:
             return checksums(self.model, dtype)
 
+    # Weight-group methods run on the API's one weight thread, in arrival order (as SGLang's
+    # scheduler runs them), so the session flag and ``groups`` need no lock of their own.
+    def begin_weight_update(self) -> None:
+        if self._update_session:
+            raise WeightError("a weight-update session is already open; call /end_weight_update first")
+        self._update_session = True
+
+    def end_weight_update(self) -> None:
+        if not self._update_session:
+            raise WeightError("no weight-update session is open; call /begin_weight_update first")
+        self._update_session = False
+
+    def require_update_session(self, endpoint: str) -> None:
+        """SGLang 0.5.23 refuses distributed and tensor updates outside begin/end, before any collective."""
+        if not self._update_session:
+            raise WeightError(f"{endpoint} must run between /begin_weight_update and /end_weight_update")
+
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str, timeout_s: float = 300.0) -> None:
+                   group_name: str, backend: str, timeout_s: float | None = None) -> None:
+        """Join as rank ``rank_offset`` (this server has one TP rank); the trainer is rank 0 and hosts the store."""
         if group_name in self.groups:
             raise WeightError(f"weight update group {group_name!r} already exists")
+        _check_membership(master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+                          group_name=group_name, backend=backend, device=self.device)
+        timeout_s = self.opts.weight_group_timeout_s if timeout_s is None else timeout_s
         try:
             self.groups[group_name] = WeightUpdateGroup(
                 master_address=master_address, master_port=master_port, rank=rank_offset,
@@ -255,17 +286,18 @@ class Engine:
                                 group_name: str, version: str | None, flattened: bool) -> None:
         """Receive one bucket broadcast from group rank 0, then install it.
 
-        Tensors are received even when they will be refused, so the trainer's collective
-        completes; the check happens before anything is copied into the model.
+        Names and shapes that do not fit the model are received and then refused, so the
+        trainer's collective completes; nothing is copied into the model before the check. What
+        cannot describe a receive (no open session, bad dtype, negative or unaligned sizes) is
+        refused before joining the broadcast, as SGLang does.
         """
+        self.require_update_session("update_weights_from_distributed")
         group = self.groups.get(group_name)
         if group is None:
             raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group")
-        try:
-            specs = [(n, parse_dtype(d), [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-        except (TypeError, ValueError) as e:
-            raise WeightError(f"bad tensor metadata: {e}") from None
-        tensors = _receive(group, specs, flattened)
+        specs = _parse_specs(names, dtypes, shapes)
+        sizes = check_bucket_offsets(specs) if flattened else None
+        tensors = _receive(group, specs, sizes)
         self._install(tensors, version, complete=False)
 
     def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool) -> None:
@@ -280,16 +312,53 @@ class Engine:
         log.info("weights updated (%d tensors), version %s", len(tensors), self.weight_version)
 
 
+def _check_membership(*, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str,
+                      device: torch.device, tp: int = 1) -> None:
+    """Refuse a group this server cannot be a proper member of, before anything listens or connects.
+
+    The trainer is rank 0 (it hosts the store and sends): a server at rank 0, or alone in its
+    group, would host the store itself and "receive" its own uninitialised buffers.
+    """
+    if not 1 <= master_port <= 65535:
+        raise WeightError(f"master_port: {master_port} is not a TCP port")
+    if not group_name:
+        raise WeightError("group_name: must not be empty")
+    if world_size < 2:
+        raise WeightError(f"world_size: {world_size} leaves no room for the trainer (rank 0) and this server")
+    if rank_offset < 1:
+        raise WeightError(f"rank_offset: {rank_offset} collides with the trainer's rank 0; servers start at 1")
+    if rank_offset + tp > world_size:
+        raise WeightError(f"rank_offset: ranks {rank_offset}..{rank_offset + tp - 1} are outside a group of "
+                          f"world_size {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise WeightError(f"backend: {backend!r} is not gloo or nccl")
+    if backend == "nccl" and device.type != "cuda":
+        raise WeightError(f"backend: nccl needs a CUDA server; this one runs on {device.type} (use gloo)")
+
+
+def _parse_specs(names: list[str], dtypes: list[str],
+                 shapes: list[list[int]]) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) per tensor; bad metadata is refused before any collective is joined."""
+    try:
+        specs = [(n, parse_dtype(d), [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+    except (TypeError, ValueError) as e:
+        raise WeightError(f"bad tensor metadata: {e}") from None
+    for name, _, shape in specs:
+        if any(x < 0 for x in shape):
+            raise WeightError(f"{name}: negative dimension in shape {shape}")
+    return specs
+
+
 def _receive(group: WeightUpdateGroup, specs: list[tuple[str, torch.dtype, list[int]]],
-             flattened: bool) -> dict[str, torch.Tensor]:
-    if not flattened:
+             sizes: list[int] | None) -> dict[str, torch.Tensor]:
+    """One broadcast per tensor, or one for the whole flattened bucket when ``sizes`` are given."""
+    if sizes is None:
         out = {}
         for name, dtype, shape in specs:
             t = torch.empty(shape, dtype=dtype, device=group.device)
             group.broadcast(t, src=0)
             out[name] = t
         return out
-    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in specs]
     buf = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
     group.broadcast(buf, src=0)
     out, offset = {}, 0

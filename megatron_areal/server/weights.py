@@ -15,19 +15,38 @@ class WeightError(ValueError):
 
 
 def read_safetensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF folder (single file or sharded with an index)."""
+    """All tensors of an HF folder (single file or sharded with an index).
+
+    A broken index or shard is the caller's input, not a server fault: it raises WeightError
+    naming the file, so a weight update answers 400 and keeps the served weights.
+    """
     folder = Path(hf_dir)
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    files = _indexed_files(index) if index.is_file() else sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise WeightError(f"{folder}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(load_file(str(folder / name)))
+        tensors.update(_load_shard(folder / name))
     return tensors
+
+
+def _indexed_files(index: Path) -> list[str]:
+    """The shard names an index's ``weight_map`` points to."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise WeightError(f"{index}: not a readable JSON index: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise WeightError(f"{index}: 'weight_map' must map tensor names to file names")
+    return sorted(set(weight_map.values()))
+
+
+def _load_shard(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError, the OS FileNotFoundError
+        raise WeightError(f"{path}: cannot read safetensors: {e}") from None
 
 
 def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complete: bool) -> None:
@@ -80,6 +99,23 @@ def checksums(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, d
         out[name] = {"sha256": tensor_checksum(t), "dtype": str(t.dtype).removeprefix("torch."),
                      "shape": list(t.shape)}
     return out
+
+
+def check_bucket_offsets(specs: list[tuple[str, torch.dtype, list[int]]]) -> list[int]:
+    """Byte sizes of a flattened bucket's tensors; refuses an unaligned one before anything is received.
+
+    Each tensor is a view into one uint8 buffer, packed without padding, so its byte offset must
+    be a multiple of its element size (SGLang 0.5.23 refuses the same buckets the same way).
+    """
+    sizes, offset = [], 0
+    for name, dtype, shape in specs:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize:
+            raise WeightError(f"{name}: byte offset {offset} in the flattened bucket is not a multiple of "
+                              f"its element size ({itemsize} bytes, {str(dtype).removeprefix('torch.')})")
+        sizes.append(torch.Size(shape).numel() * itemsize)
+        offset += sizes[-1]
+    return sizes
 
 
 def parse_dtype(name: str) -> torch.dtype:
