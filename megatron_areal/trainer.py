@@ -153,10 +153,12 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     if version > 0:  # the servers started from the base model: give them the resumed policy first
         weights.sync(version)
 
-    side = _rollout_side(cfg, hf_dir, server_urls, version, step, extra.get("rollout")) if rank0 else None
-    before = _evaluate(side, cfg, server_urls, step, "before") if rank0 and step == 0 else None
+    # the fleet is what the weight path holds: a server it drops gets no rollouts or evaluations
+    side = _rollout_side(cfg, hf_dir, list(weights.servers), version, step, extra.get("rollout")) if rank0 else None
+    before = _evaluate(side, cfg, list(weights.servers), step, "before") if rank0 and step == 0 else None
     if rank0:
         side.controller.start()
+        weights.on_drop = side.controller.drop_server
     saved_at = {"step": step}
 
     def save_checkpoint(at: int, version: int) -> None:
@@ -188,7 +190,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
                 side.metrics.advance(step, _step_metrics(stats, side.controller.metrics(), t1 - t0, t2 - t1, sync,
                                                          time.monotonic() - t0))
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                    _evaluate(side, cfg, server_urls, step, "during")
+                    _evaluate(side, cfg, list(weights.servers), step, "during")
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
                 save_checkpoint(step, version)
             if step < cfg.train.steps and control.stop_after(step, save=partial(save_checkpoint, step, version)):
@@ -196,7 +198,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
                 break
         if rank0 and not stopped_on_request:  # a run stopped to requeue spends no time on the final eval
             side.controller.stop()
-            after = _evaluate(side, cfg, server_urls, step, "after")
+            after = _evaluate(side, cfg, list(weights.servers), step, "after")
             if before is not None and after is not None:
                 logger.info("held-out accuracy %.1f%% -> %.1f%% (%+.1f points) over %d steps", 100 * before,
                             100 * after, 100 * (after - before), step)

@@ -48,6 +48,7 @@ REQUESTS = {  # endpoint -> SGLang's request class (sglang/srt/entrypoints/http_
 }
 VOCAB = 1 << 16
 JOIN_TIMEOUT_S = 60.0
+HEALTH_TIMEOUT_S = 20.0  # SGLang answers 503 when its one-token health probe takes longer
 
 
 def io_struct() -> Any:
@@ -94,6 +95,9 @@ class Receiver:
         self.version = "default"
         self.received: list[dict[str, Any]] = []  # every validated body, in arrival order
         self.updates: list[str] = []  # group name of every received bucket, in order
+        self.running = asyncio.Event()  # cleared by /pause_generation, set by /continue_generation
+        self.running.set()
+        self.refuse_next_update = False  # test knob: the next update fails as a bad load would
 
     # ---- weight operations (on the worker thread) ------------------------------------------
     def _init(self, req: Any) -> None:
@@ -124,6 +128,9 @@ class Receiver:
                 named.append((name, weight))
             for handle in handles:
                 handle.wait()
+        if self.refuse_next_update:  # received, then the load fails (SGLang replies success: false)
+            self.refuse_next_update = False
+            raise Refused("Failed to update parameter online (refused once by the test)")
         self.tensors.update((name, t.clone()) for name, t in named)
         self.updates.append(req.group_name)
         if req.weight_version is not None:
@@ -155,6 +162,10 @@ class Receiver:
             self.in_session = False
         elif path == "/update_weight_version":
             self.version = req.new_version
+        elif path == "/pause_generation":
+            self.running.clear()
+        elif path == "/continue_generation":
+            self.running.set()
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -199,6 +210,18 @@ class Receiver:
     async def ok(self, request: web.Request) -> web.Response:
         return web.Response(text="")
 
+    async def health(self, request: web.Request) -> web.Response:
+        """As SGLang's ``/health``: it generates one token, so while paused it waits, then 503."""
+        try:
+            await asyncio.wait_for(self.running.wait(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return web.Response(status=503)
+        return web.Response(text="")
+
+    async def refuse_next(self, request: web.Request) -> web.Response:
+        self.refuse_next_update = True
+        return web.Response(text="")
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 26)
         for path in REQUESTS:
@@ -207,7 +230,8 @@ class Receiver:
         app.router.add_get("/model_info", self.model_info)
         app.router.add_get("/weights_checksum", self.checksums)
         app.router.add_get("/received", self.log)
-        app.router.add_get("/health", self.ok)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/test/refuse_next_update", self.refuse_next)
         app.router.add_route("*", "/flush_cache", self.ok)
         return app
 

@@ -311,3 +311,24 @@ def test_with_embedded_server_across_weight_updates(tiny_llama):
     assert crossed, "no sample was decoded across an update"
     assert all(t.interruptions >= 1 for t in crossed)
     assert metrics["perf/gen_tokens_per_s"] > 0
+
+
+def test_server_dropped_by_the_weight_path_gets_no_more_rollouts():
+    """One fleet: a server the weight path drops (``drop_server``) is never routed to again, even
+    though it still answers health probes (it would hold stale weights)."""
+    fleet = FakeFleet([FakeServer(seed=i, token_delay=(0.001, 0.002)) for i in range(2)])
+    dropped = fleet.servers[1]
+    try:
+        ctl = make_controller(fleet, ListPrompts(10_000), eta=1)
+        with ctl:
+            ctl.get_batch(timeout=60)
+            weight_update(ctl, fleet, 1, how="held")
+            ctl.drop_server(dropped.url, "did not take weights v1")
+            before = len(dropped.requests)
+            for version in (2, 3, 4):
+                ctl.get_batch(timeout=60)
+                weight_update(ctl, fleet, version, how="held")
+            assert len(dropped.requests) == before
+            assert ctl.metrics()["rollout/healthy_servers"] == 1.0
+    finally:
+        fleet.close()

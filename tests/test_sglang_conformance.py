@@ -244,3 +244,48 @@ def test_pipeline_stages_reach_three_sglang_servers_one_at_a_time(receivers: lis
         orders.append([int(name.split("-")[1].removeprefix("stage")) for name in r.get("/received")["updates"]])
     assert all(order == orders[0] for order in orders), orders
     assert orders[0] == sorted(orders[0]) and set(orders[0]) == {0, 1}, orders[0]
+
+
+# ---- liveness while paused ---------------------------------------------------------------------
+def _w_sync_one_rank(model_dir: str, urls: list[str], version: str) -> dict[str, Any]:
+    from megatron_areal.actor.model import build_model
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.convert.arch import load_arch
+    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.realloc.config import ReallocConfig
+    from megatron_areal.realloc.sync import WeightSync, WeightSyncError
+
+    groups = init_parallel(tp=1, pp=1, backend="gloo")
+    arch = load_arch(model_dir)
+    chunks = build_model(arch, tp=1, pp=1, pp_rank=0)
+    load_hf_weights(chunks, model_dir, arch, 0, 1)
+    dropped: list[str] = []
+    sync = WeightSync(chunks, arch, groups, urls, config=ReallocConfig(timeout_s=60.0, master_address="127.0.0.1"),
+                      on_drop=lambda url, reason: dropped.append(url))
+    try:
+        result = sync.sync(version)
+        return {"servers": result.servers, "dropped": dropped}
+    except WeightSyncError as e:
+        return {"error": str(e), "servers": list(sync.servers), "dropped": dropped}
+    finally:
+        sync.close()
+        teardown_parallel()
+
+
+def test_a_paused_server_that_refuses_an_update_is_not_taken_for_dead(receivers: list[ReceiverProcess],
+                                                                      tmp_path: Path) -> None:
+    """While paused, SGLang's ``/health`` waits (20 s, then 503); liveness must not depend on it.
+    A server that refuses a bucket is alive: the sync fails naming it, nothing is dropped."""
+    from megatron_areal.assets import make_tiny_model
+    from megatron_areal.convert.spawn import WorkerPool
+
+    model = make_tiny_model(tmp_path / "model", "llama", seed=5)
+    urls = [r.url for r in receivers]
+    urllib.request.urlopen(urllib.request.Request(urls[1] + "/test/refuse_next_update", method="POST"), timeout=10)
+    pool = WorkerPool(1, timeout_s=180)
+    try:
+        (outcome,) = pool.run(_w_sync_one_rank, str(model), urls, "1")
+    finally:
+        pool.close()
+    assert outcome["dropped"] == [] and outcome["servers"] == urls, outcome
+    assert "refused" in outcome["error"] and urls[1] in outcome["error"], outcome

@@ -53,8 +53,9 @@ class ServerPool:
         futures = {url: self.submit(url, call) for url in urls}
         return wait_all(futures, timeout_s or self.timeout_s)
 
-    def healthy(self, urls: Iterable[str], timeout_s: float = 5.0) -> dict[str, bool]:
-        futures = {url: self.submit(url, lambda c: c.health(timeout_s)) for url in urls}
+    def alive(self, urls: Iterable[str], timeout_s: float = 5.0) -> dict[str, bool]:
+        """{url: answers ``/model_info``}: the servers are paused here, so no generation probe."""
+        futures = {url: self.submit(url, lambda c: c.alive(timeout_s)) for url in urls}
         out: dict[str, bool] = {}
         for url, future in futures.items():
             try:

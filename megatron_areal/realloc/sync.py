@@ -80,7 +80,8 @@ class WeightSync:
                  servers: Sequence[str], *, config: ReallocConfig | None = None, server_tp: int = 1,
                  api_key: str | None = None, template_dir: str | Path | None = None,
                  control_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
-                 on_bucket: Callable[[int, Bucket], None] | None = None) -> None:
+                 on_bucket: Callable[[int, Bucket], None] | None = None,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
         self.chunks, self.arch, self.groups = list(chunks), arch, groups
         self.config = config or ReallocConfig()
         self.config.validate()
@@ -88,6 +89,7 @@ class WeightSync:
             raise ValueError("realloc.method=disk needs the model folder the servers started from (template_dir) "
                              "for the config and tokenizer files")
         self.server_tp, self.dtype, self.on_bucket = server_tp, dtype, on_bucket
+        self.on_drop = on_drop  # rank 0: told (url, reason) of every server dropped, e.g. to stop routing to it
         self.template_dir = Path(template_dir) if template_dir is not None else None
         self.control_group = control_group
         self.rank0 = dist.get_rank(control_group) == 0
@@ -188,12 +190,14 @@ class WeightSync:
         dead: dict[str, str] = {}
         if self.rank0 and errors:
             assert self.pool is not None
-            health = self.pool.healthy(list(errors))  # members, or a server being added
-            dead = {u: errors[u] for u, ok in health.items() if not ok}
+            alive = self.pool.alive(list(errors))  # members, or a server being added
+            dead = {u: errors[u] for u, ok in alive.items() if not ok}
         dead = self._from_rank0(dead)
         for url, message in dead.items():
             log.error("dropping rollout server %s: %s", url, message)
             self.servers.pop(url, None)
+            if self.rank0 and self.on_drop is not None:
+                self.on_drop(url, message)
         return dead
 
     def _push(self, version: str, servers: dict[str, int], temporary: bool = False) -> _Outcome:

@@ -144,6 +144,15 @@ class RolloutClient:
     async def flush_cache(self) -> None:
         await self._request("POST", "/flush_cache")
 
+    async def alive(self, timeout_s: float = 5.0) -> bool:
+        """Liveness without generating: ``/model_info`` answers while paused and during updates,
+        where SGLang's ``/health`` (a one-token generation) waits and then says 503."""
+        try:
+            await self._request("GET", "/model_info", timeout_s=timeout_s)
+            return True
+        except ServerError:
+            return False
+
     async def health(self, timeout_s: float = 5.0) -> bool:
         try:
             await self._request("GET", "/health", timeout_s=timeout_s)

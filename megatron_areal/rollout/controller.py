@@ -122,6 +122,10 @@ class RolloutController:
         """Publish ``new_version`` (the servers already hold it) and continue generating."""
         self._call(self._core.resume(new_version, resume_servers), CONTROL_TIMEOUT_S)
 
+    def drop_server(self, url: str, reason: str) -> None:
+        """Route nothing more to ``url`` (the weight path dropped it); safe from any thread."""
+        self._run_sync(lambda: self._core.drop_server(url, reason), need_loop=True)
+
     def set_version(self, version: int) -> None:
         self._run_sync(lambda: self._core.set_version(version))
 

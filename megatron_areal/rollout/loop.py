@@ -261,6 +261,10 @@ class RolloutLoop:
         self._running.set()
         self._changed.notify()
 
+    def drop_server(self, url: str, reason: str) -> None:
+        assert self.pool is not None, "drop_server() before start()"
+        self.pool.remove(url, reason)
+
     def set_version(self, version: int) -> None:
         self.gate.on_version(version)
         self.version = version

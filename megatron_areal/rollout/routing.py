@@ -101,6 +101,14 @@ class ServerPool:
             log.warning("rollout server %s is healthy again", slot.url)
             self._notify()
 
+    def remove(self, url: str, reason: str) -> None:
+        """Stop routing to ``url`` for good (the weight path dropped it: it will never get new
+        weights). Requests already on it finish or fail on their own."""
+        for slot in [s for s in self.slots if s.url == url.rstrip("/")]:
+            self.mark_down(slot, reason)
+            self.slots.remove(slot)
+            log.error("rollout server %s removed from the fleet: %s", slot.url, reason)
+
     async def probe_down(self) -> list[ServerSlot]:
         """Health-check the servers marked down; return those that answer (still marked down: the
         caller decides whether they may serve again)."""
