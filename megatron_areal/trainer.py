@@ -128,7 +128,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     from megatron_areal.convert.arch import load_arch
     from megatron_areal.convert.checkpoint import Checkpointer
     from megatron_areal.convert.weights import load_hf_weights
-    from megatron_areal.realloc.sync import WeightSync
+    from megatron_areal.realloc.sync import WeightSync, WeightSyncError
 
     groups = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, backend=cfg.parallel.backend)
     rank0 = dist.get_rank() == 0
@@ -182,7 +182,11 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
             t2 = time.monotonic()
             if rank0:  # hold new groups and re-posts; the weight mover pauses the servers itself
                 side.controller.pause_generation(pause_servers=False)
-            sync = weights.sync(version + 1)
+            try:
+                sync = weights.sync(version + 1)
+            except WeightSyncError:
+                save_checkpoint(step + 1, version + 1)  # the trained step is sound; only the push failed
+                raise
             version, step = version + 1, step + 1
             if rank0:
                 side.controller.resume_generation(version, resume_servers=False)

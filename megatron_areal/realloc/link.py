@@ -105,6 +105,11 @@ class StageLink:
             return Pending(futures, f"broadcast in {self.group_name} failed: {e}")
         return Pending(futures, None)
 
+    def synchronize(self) -> None:
+        """Wait for this group's device work (NCCL); a no-op on gloo, which already blocked."""
+        if self.group is not None:
+            self.group.synchronize()
+
     def finish(self, pending: Pending) -> dict[str, str]:
         """The servers' replies to a posted bucket: {url: error} of those that failed or hung."""
         errors = wait_all(pending.futures, self.timeout_s)

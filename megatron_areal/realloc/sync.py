@@ -176,6 +176,12 @@ class WeightSync:
             outcome = self._push(version, dict(self.servers))
             if not outcome.errors:
                 return outcome
+            if self.backend == "nccl":
+                # NCCL work cannot be cancelled from the host: a receiver lost mid-transfer leaves a
+                # broadcast that never completes (the watchdog ends the process). Stop cleanly
+                # instead; the trainer checkpoints and a scheduler requeues the run.
+                raise WeightSyncError(f"weights v{version}: transfer over NCCL failed, which is fatal "
+                                      "(resume from the checkpoint): " + "; ".join(outcome.errors.values()))
             lost = self._drop_dead(outcome.errors)
             dropped.update(lost)
             refused = {u: m for u, m in outcome.errors.items() if u not in lost}
@@ -244,6 +250,7 @@ class WeightSync:
                 continue  # keep gathering in step with the TP peers, send nothing more
             clock = time.perf_counter()
             pending = link.post(bucket, version)
+            link.synchronize()  # NCCL returns before the bytes have moved; time the transfer itself
             local.broadcast_seconds += time.perf_counter() - clock
             local.buckets += 1
             local.bytes_sent += bucket.nbytes
