@@ -232,6 +232,18 @@ def test_control_endpoints_answer_while_group_joins_hang(models) -> None:
         assert status == 400 and reply["success"] is False and f"127.0.0.1:{dead_port}" in reply["message"], reply
 
 
+def test_join_timeout_from_the_request_is_bounded(server) -> None:
+    """A request may shorten the server's join timeout (never lengthen it); the wait ends with a 400."""
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "short", "backend": "gloo"}
+    status, reply = call(server.url, "/init_weights_update_group", {**body, "timeout_s": 0}, timeout=QUICK_S)
+    assert status == 400 and "timeout_s" in message(reply), reply
+    start = time.monotonic()
+    status, reply = call(server.url, "/init_weights_update_group", {**body, "timeout_s": 1}, timeout=GROUP_TIMEOUT_S)
+    assert status == 400 and "short" in reply["message"], reply
+    assert time.monotonic() - start < GROUP_TIMEOUT_S / 2  # the request's 1 s, not the server's 30 s
+
+
 # ---- the group's membership --------------------------------------------------------------------
 @pytest.mark.parametrize("fields,named", [
     ({"world_size": 1, "rank_offset": 0}, "world_size"),  # a one-member group: the server broadcasts to itself
