@@ -37,8 +37,10 @@ async def _json(request: web.Request, optional: bool = False) -> dict[str, Any]:
         return {}
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # bad syntax or encoding, an integer past Python's 4300-digit limit
         raise BadRequest(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body
@@ -116,8 +118,12 @@ class Api:
     async def generate(self, request: web.Request) -> web.Response:
         body = await _json(request)
         e = self.engine
-        parsed = parse_generate(body, tokenizer=self.tokenizer, vocab=e.arch.vocab_size, max_len=e.max_len)
-        rids = [rid for rid, _, _ in parsed.prompts]
+        parsed = parse_generate(body, tokenizer=self.tokenizer, vocab=e.arch.vocab_size, max_len=e.max_len,
+                                max_requests=e.opts.max_queue)
+        if not e.has_room(parsed.count):  # before n fans out into one entry per sequence
+            return _error(503, f"queue full: {parsed.count} sequences do not fit (limit {e.opts.max_queue})")
+        prompts = parsed.expand()
+        rids = [rid for rid, _, _ in prompts]
         if len(set(rids)) != len(rids) or self.in_flight.intersection(rids):
             raise BadRequest("rid: a request with this id is already in flight")
         await self.running.wait()  # paused: wait until /continue_generation
@@ -129,7 +135,7 @@ class Api:
             loop.call_soon_threadsafe(_resolve, futures[req.rid], req)
 
         try:
-            e.submit(parsed.prompts, on_finish)
+            e.submit(prompts, on_finish)
         except QueueFull as err:
             return _error(503, str(err))
         self.in_flight.update(rids)
@@ -138,6 +144,9 @@ class Api:
         finally:
             self.in_flight.difference_update(rids)
         done = [f.result() for f in futures.values()]
+        failed = next((r for r in done if _error_status(r)), None)
+        if failed is not None:  # the model failed on it: an error, not a partial answer
+            return _error(_error_status(failed), failed.finish_reason["message"])
         out = [response(r, return_logprob=parsed.return_logprob, weight_version=e.weight_version,
                         tokenizer=self.tokenizer) for r in done]
         return web.json_response(out[0] if parsed.single else out)
@@ -151,8 +160,7 @@ class Api:
             transport = request.transport
             if pending and (transport is None or transport.is_closing()):
                 log.info("client of %s disconnected: aborting", rids[0])
-                for rid in rids:
-                    await asyncio.to_thread(self.engine.abort, rid)
+                await asyncio.to_thread(self.engine.abort, rids)
                 await asyncio.wait(pending)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -160,8 +168,9 @@ class Api:
             return web.Response(status=503)
         if request.path != "/ready" and not await self._generation_resumes():
             return web.Response(status=503)
-        alive = self.engine.alive
-        return web.Response(status=200 if alive else 503)
+        ok, why = self.engine.health()  # 503 also when the runner is alive but cannot step
+        return web.Response(status=200) if ok else web.Response(status=503, text=why)
+
     async def _generation_resumes(self) -> bool:
         """SGLang's /health generates one token, so while paused it waits; 503 after the health timeout.
 
@@ -314,6 +323,13 @@ class Api:
         if asked <= 0:
             raise BadRequest(f"timeout_s: {asked} must be > 0")
         return min(float(asked), limit)
+
+
+def _error_status(req: Request) -> int:
+    """The HTTP status of a request the engine failed (500), else 0: aborts answer 200 as in SGLang."""
+    reason = req.finish_reason or {}
+    status = reason.get("status_code") or 0
+    return status if reason.get("type") == "abort" and status >= 400 else 0
 
 
 def _resolve(future: asyncio.Future[Request], req: Request) -> None:

@@ -8,11 +8,16 @@ import logging
 import os
 import signal
 import socket
+import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+# After SIGTERM/SIGINT: the orderly stop (answer everyone, close the port) normally takes well under
+# a second; past this grace the process exits anyway, whatever thread is stuck.
+SHUTDOWN_GRACE_S = 15.0
 API_KEY_ENV = "MEGATRON_AREAL_API_KEY"  # how the launcher hands the key to a server (never in argv)
 
 
@@ -96,7 +101,8 @@ async def serve(args: argparse.Namespace) -> None:
     decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     engine = await asyncio.to_thread(Engine, args.model, opts, decode)
     api = Api(engine, api_key=args.api_key, tokenizer=tokenizer, served_model_name=args.model)
-    runner = web.AppRunner(api.app(int(args.max_body_mb * 2**20)), access_log=None, handler_cancellation=False)
+    runner = web.AppRunner(api.app(int(args.max_body_mb * 2**20)), access_log=None, handler_cancellation=False,
+                             shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
     await site.start()
@@ -119,11 +125,43 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)  # a second signal ends the process at once
+        _exit_after(SHUTDOWN_GRACE_S)
         if registration is not None:
             registration.unlink(missing_ok=True)
         log.info("shutting down")
-        await asyncio.to_thread(engine.stop)
+        await _in_own_thread(lambda: engine.stop(timeout_s=5.0))
         await runner.cleanup()
+
+
+async def _in_own_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a fresh thread: the shared executor's threads may all be busy (or stuck)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def target() -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("stopping the engine failed")
+        finally:
+            loop.call_soon_threadsafe(done.set_result, None)
+
+    threading.Thread(target=target, name="shutdown", daemon=True).start()
+    await done
+
+
+def _exit_after(seconds: float) -> None:
+    """Make sure the process ends: a thread blocked in a join or a collective would hold up exit."""
+    def hard_exit() -> None:
+        log.error("shutdown did not finish within %.0fs: exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, hard_exit)
+    timer.daemon = True
+    timer.start()
 
 
 def _bound_port(runner: Any, requested: int) -> int:

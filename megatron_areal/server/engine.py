@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ class EngineOptions:
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    step_stall_s: float = 120.0  # a model step running longer than this turns /health to 503
     weight_version: str = "default"
     weight_group_timeout_s: float = 300.0  # joining a weight-update group, and each of its collectives
     health_timeout_s: float = 20.0  # /health while paused waits this long, then answers 503 (SGLang: 20 s)
@@ -80,6 +82,9 @@ class Engine:
         self._inbox_lock = threading.Lock()
         self._queued = 0  # inbox + waiting, checked against max_queue without the engine lock
         self._stopping = False
+        self._broken: str | None = None  # why the model cannot step, found after a failed step
+        self._step_started: float | None = None  # monotonic start of the step in progress
+        self._loop_failures = 0  # consecutive steps that failed outside any one request
         self._thread = threading.Thread(target=self._loop, name="model-runner", daemon=True)
         log.info("engine: %s (%s, %d layers) on %s/%s, %d slots x %d tokens, KV %.1f MiB",
                  model_path, self.arch.model_type, self.arch.num_layers, self.device, self.dtype,
@@ -89,22 +94,54 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the runner and answer every request still here ("server shutting down").
+
+        The flag is set without the engine lock, so a runner that keeps retaking the lock (or is
+        stuck in a step) cannot hold shutdown up; requests are answered once the lock is ours, so
+        none is finished twice.
+        """
+        self._stopping = True
         self._work.set()
-        self._thread.join(timeout=30)
-        self._finish_all(self.scheduler.take(lambda r: True) + self._drain_inbox(), "server shutting down")
+        self._thread.join(timeout=timeout_s)
+        if not self._lock.acquire(timeout=timeout_s):
+            log.error("the model runner is still inside a step after %.0fs: stopping without it", timeout_s)
+            return
+        try:
+            self._finish_all(self.scheduler.take(lambda r: True) + self._drain_inbox(), "server shutting down")
+        finally:
+            self._lock.release()
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def health(self) -> tuple[bool, str]:
+        """(True, "ok") while the runner can step; else (False, why), for /health.
+
+        A thread that is alive is not enough: it may be stuck in a step, or the model may fail
+        every step (found by a one-token probe after a failed step, see ``_step``).
+        """
+        if not self._thread.is_alive():
+            return False, "the model runner is not running"
+        if self._stopping:
+            return False, "shutting down"
+        if self._broken is not None:
+            return False, self._broken
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.opts.step_stall_s:
+            return False, f"a model step has run for {time.monotonic() - started:.0f}s"
+        return True, "ok"
+
     # ---- requests ------------------------------------------------------------------------
     def submit(self, prompts: list[tuple[str, list[int], SamplingParams]],
                on_finish: Callable[[Request], None]) -> list[Request]:
-        """Queue requests (all or none); raises QueueFull past ``max_queue``."""
+        """Queue requests (all or none); raises QueueFull past ``max_queue`` or when stopping."""
+        if any(not ids for _, ids, _ in prompts):
+            raise ValueError("a prompt has no tokens: there is nothing to continue")
         with self._inbox_lock:
+            if self._stopping:
+                raise QueueFull("server shutting down")
             if self._queued + len(prompts) > self.opts.max_queue:
                 raise QueueFull(f"queue full ({self._queued} waiting, limit {self.opts.max_queue})")
             reqs = []
@@ -122,6 +159,10 @@ class Engine:
         self._work.set()  # never takes the engine lock: the event loop must not wait for a step
         return reqs
 
+    def has_room(self, count: int) -> bool:
+        """Whether ``count`` more requests fit the queue now (``submit`` checks again, atomically)."""
+        return not self._stopping and self._queued + count <= self.opts.max_queue
+
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests."""
         return len(self.scheduler.running), self._queued
@@ -135,7 +176,7 @@ class Engine:
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels and allocations of this thread
-        while True:
+        while not self._stopping:
             self._work.wait()
             with self._lock:
                 if self._stopping:
@@ -146,48 +187,140 @@ class Engine:
                     if self._inbox:  # submitted between the drain and the clear: don't sleep on it
                         self._work.set()
                     continue
-                try:
-                    self._step()
-                except Exception as e:  # a failed step must not kill the server silently
-                    log.exception("model step failed")
-                    self._finish_all(self.scheduler.take(lambda r: True), f"internal error: {e}")
+                self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        """Run one step. Failures of single requests are handled inside it; anything else fails the
+        requests the step held (never the queue), so the runner goes on and no slot leaks."""
+        self._step_started = time.monotonic()
+        try:
+            self._step()
+            self._loop_failures = 0
+        except Exception as e:
+            log.exception("model step failed")
+            self._loop_failures += 1
+            self._fail_all(self.scheduler.take_running(), e)
+            if self._loop_failures >= 3:  # it is not one step's requests: the queue cannot run either
+                self._broken = f"the model runner fails every step: {e}"
+                self._fail_all(self.scheduler.take(lambda r: True), e)
+            self._set_queued(len(self.scheduler.waiting))
+        finally:
+            self._step_started = None
 
     def _step(self) -> None:
         plan = self.scheduler.plan(self.cache.free_slots)
-        if plan.prefill:
-            for r in plan.prefill:
-                r.slot = self.cache.allocate()
-            rows = [r.all_ids for r in plan.prefill]
-            self._forward_and_sample(plan.prefill, rows, [0] * len(rows))
-        if plan.decode:
-            rows = [[r.output_ids[-1]] for r in plan.decode]
-            self._forward_and_sample(plan.decode, rows, [len(r.all_ids) - 1 for r in plan.decode])
-        finished = [r for r in plan.prefill + plan.decode if r.finish_reason is not None]
-        self.scheduler.running = [r for r in self.scheduler.running + plan.prefill if r.finish_reason is None]
+        if not plan.prefill and not plan.decode:
+            self._reclaim_slots()
+            return
+        for r in plan.prefill:
+            r.slot = self.cache.allocate()
+        # From here every request of the step is in ``running``: whatever fails, the recovery finds
+        # each of them, frees its slot and answers it.
+        self.scheduler.running.extend(plan.prefill)
+        failed = self._run(plan.prefill, prefill=True) + self._run(plan.decode, prefill=False)
+        touched = plan.prefill + plan.decode
+        finished = [r for r in touched if r.finish_reason is not None]
+        self.scheduler.running = [r for r in self.scheduler.running if r.finish_reason is None]
         self._set_queued(len(self.scheduler.waiting))
         for r in finished:
             self._release(r)
-            r.on_finish(r)
+        # Everything failed: a bad request, or a model that cannot run at all? Known before anyone
+        # is answered, so that /health already tells.
+        self._broken = self._probe() if len(failed) == len(touched) else None
+        for r in finished:
+            self._answer(r)
 
-    def _forward_and_sample(self, reqs: list[Request], rows: list[list[int]], starts: list[int]) -> None:
-        t = max(map(len, rows))
-        tokens = torch.tensor([row + [0] * (t - len(row)) for row in rows], dtype=torch.long, device=self.device)
-        batch = ForwardBatch([r.slot for r in reqs], starts, [len(row) for row in rows], self.device)
-        logits = self.model(tokens, batch, self.cache)
-        ids, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        for r, tok, lp in zip(reqs, ids.tolist(), logprobs.tolist(), strict=True):
-            self.scheduler.append_token(r, tok, lp, self.weight_version)
+    def _run(self, reqs: list[Request], prefill: bool) -> list[Request]:
+        """Forward and sample ``reqs`` together; if that fails, each alone, so that one bad request
+        fails by itself. Returns the requests that failed (each finished with an error)."""
+        if not reqs:
+            return []
+        try:
+            self._forward_and_sample(reqs, prefill)
+            return [r for r in reqs if _failed(r)]
+        except Exception as e:
+            error = e
+        if len(reqs) == 1:
+            log.error("request %s failed: %s", reqs[0].rid, error, exc_info=error)
+            self._fail(reqs[0], error)
+            return reqs
+        log.warning("a step of %d requests failed (%s): running each alone", len(reqs), error)
+        return [r for one in reqs for r in self._run([one], prefill)]
+
+    def _forward_and_sample(self, reqs: list[Request], prefill: bool) -> None:
+        """One forward over ``reqs``; on failure nothing of theirs has changed (random streams
+        included), so they can run again."""
+        if prefill:
+            rows, starts = [r.all_ids for r in reqs], [0] * len(reqs)
+        else:
+            rows, starts = [[r.output_ids[-1]] for r in reqs], [len(r.all_ids) - 1 for r in reqs]
+        states = [r.generator.get_state() for r in reqs]
+        try:
+            t = max(map(len, rows))
+            tokens = torch.tensor([row + [0] * (t - len(row)) for row in rows], dtype=torch.long,
+                                  device=self.device)
+            batch = ForwardBatch([r.slot for r in reqs], starts, [len(row) for row in rows], self.device)
+            logits = self.model(tokens, batch, self.cache)
+            ids, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            ids, logprobs = ids.tolist(), logprobs.tolist()
+        except Exception:
+            for r, state in zip(reqs, states, strict=True):
+                r.generator.set_state(state)
+            raise
+        for r, tok, lp in zip(reqs, ids, logprobs, strict=True):
+            try:
+                self.scheduler.append_token(r, tok, lp, self.weight_version)
+            except Exception as e:  # e.g. a stop-string decode: this request only
+                log.error("request %s failed: %s", r.rid, e, exc_info=e)
+                self._fail(r, e)
+
+    def _probe(self) -> str | None:
+        """Run one token through the model on a free slot: None if it runs, else why not."""
+        if not self.cache.free_slots:
+            return None
+        slot = self.cache.allocate()
+        try:
+            batch = ForwardBatch([slot], [0], [1], self.device)
+            logits = self.model(torch.zeros((1, 1), dtype=torch.long, device=self.device), batch, self.cache)
+            return None if bool(torch.isfinite(logits).all()) else "the model gives non-finite logits"
+        except Exception as e:
+            return f"the model cannot run a one-token step: {e}"
+        finally:
+            self.cache.release(slot)
+
+    def _reclaim_slots(self) -> None:
+        """Nothing runs, yet no slot is free: slots were lost. No request holds one, so all are free."""
+        log.error("no KV slot is free although no request runs: reclaiming all %d", self.cache.num_slots)
+        self.cache.reset()
 
     def _release(self, r: Request) -> None:
         if r.slot is not None:
             self.cache.release(r.slot)
             r.slot = None
 
+    def _fail(self, r: Request, error: Exception) -> None:
+        r.finish_reason = {"type": "abort", "message": f"internal error: {error}", "status_code": 500,
+                           "err_type": "InternalServerError"}
+
+    def _fail_all(self, reqs: list[Request], error: Exception) -> None:
+        for r in reqs:
+            self._fail(r, error)
+            self._release(r)
+            self._answer(r)
+
     def _finish_all(self, reqs: list[Request], message: str, status: int = 200) -> None:
         for r in reqs:
             self._release(r)
             r.finish_reason = {"type": "abort", "message": message, "status_code": status, "err_type": None}
+            self._answer(r)
+
+    @staticmethod
+    def _answer(r: Request) -> None:
+        """Hand the finished request to its waiter; a failing callback must not stop the runner."""
+        try:
             r.on_finish(r)
+        except Exception:
+            log.exception("answering request %s failed", r.rid)
 
     # ---- control (called from worker threads) -------------------------------------------
     def pause(self, mode: str) -> None:
@@ -206,10 +339,16 @@ class Engine:
             self.paused = False
         self._work.set()
 
-    def abort(self, rid: str | None) -> int:
+    def abort(self, rid: str | Collection[str] | None) -> int:
+        """Abort the requests with exactly these ids (None: all); returns how many.
+
+        As in SGLang 0.5.23, whose tokenizer drops an abort whose exact id is not in flight, "job"
+        reaches neither "job_7" nor the children "job_0", "job_1" of a batch or n > 1 request.
+        """
+        wanted = None if rid is None else {rid} if isinstance(rid, str) else set(rid)
         with self._lock:
             self.scheduler.waiting.extend(self._drain_inbox())
-            taken = self.scheduler.take(lambda r: rid is None or r.matches(rid))
+            taken = self.scheduler.take(lambda r: wanted is None or r.rid in wanted)
             self._set_queued(len(self.scheduler.waiting))
             self._finish_all(taken, "aborted by request")
             return len(taken)
@@ -347,6 +486,10 @@ def _parse_specs(names: list[str], dtypes: list[str],
         if any(x < 0 for x in shape):
             raise WeightError(f"{name}: negative dimension in shape {shape}")
     return specs
+
+
+def _failed(r: Request) -> bool:
+    return r.finish_reason is not None and r.finish_reason.get("status_code") == 500
 
 
 def _receive(group: WeightUpdateGroup, specs: list[tuple[str, torch.dtype, list[int]]],

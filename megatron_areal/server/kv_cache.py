@@ -34,7 +34,14 @@ class KVCache:
         return self._free.pop()
 
     def release(self, slot: int) -> None:
+        """Return a slot; a slot that is already free is an error (two sequences would share it)."""
+        if slot in self._free:
+            raise RuntimeError(f"KV cache: slot {slot} released twice")
         self._free.append(slot)
+
+    def reset(self) -> None:
+        """Every slot free again; only for when no sequence holds one."""
+        self._free = list(range(self.num_slots - 1, -1, -1))
 
     def write_and_read(self, layer: int, slots: torch.Tensor, starts: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:

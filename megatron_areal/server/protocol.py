@@ -4,6 +4,7 @@ Bad input raises ``BadRequest`` with a message naming the field; the HTTP layer 
 """
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +26,29 @@ NEUTRAL_PARAMS: dict[str, Any] = {"min_p": 0.0, "frequency_penalty": 0.0, "prese
 IGNORED_PARAMS = {"stop", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"}
 
 
+# sampling_seed goes to torch.Generator.manual_seed, which takes exactly this range.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 @dataclass
 class Parsed:
-    prompts: list[tuple[str, list[int], SamplingParams]]
+    """A valid /generate body: one (rid, prompt ids, params) group per prompt, before ``n`` fans out.
+
+    ``count`` is known before any child exists, so the caller can check capacity first and only
+    then ``expand()``.
+    """
+    groups: list[tuple[str, list[int], SamplingParams]]
     single: bool  # one prompt with n == 1: the reply is an object, else an array
     return_logprob: bool
+
+    @property
+    def count(self) -> int:
+        return sum(params.n for _, _, params in self.groups)
+
+    def expand(self) -> list[tuple[str, list[int], SamplingParams]]:
+        """One entry per sequence to generate: n > 1 children are ``{rid}_{j}``."""
+        return [(rid if params.n == 1 else f"{rid}_{j}", ids, params)
+                for rid, ids, params in self.groups for j in range(params.n)]
 
 
 def _number(sp: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -48,7 +67,8 @@ def _int(sp: dict[str, Any], key: str, default: int, lo: int) -> int:
     return v
 
 
-def parse_sampling(sp: Any, prompt_len: int, max_len: int, vocab: int, has_tokenizer: bool) -> SamplingParams:
+def parse_sampling(sp: Any, prompt_len: int, max_len: int, vocab: int, has_tokenizer: bool,
+                   max_n: int = 2**31) -> SamplingParams:
     if not isinstance(sp, dict):
         raise BadRequest(f"sampling_params: expected an object, got {type(sp).__name__}")
     for key, value in sp.items():
@@ -73,39 +93,65 @@ def parse_sampling(sp: Any, prompt_len: int, max_len: int, vocab: int, has_token
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 32 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("sampling_params.stop: expected a string or a list of at most 32 non-empty strings")
+    stop = [_check_str(x, "sampling_params.stop") for x in stop]
     if stop and not has_tokenizer:
         raise BadRequest("sampling_params.stop: stop strings need a tokenizer; this server has none "
                          "(use stop_token_ids)")
     ignore_eos = sp.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"sampling_params.ignore_eos: expected true/false, got {ignore_eos!r}")
-    seed = sp.get("sampling_seed", sp.get("seed"))
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"sampling_params.sampling_seed: expected an integer, got {seed!r}")
-    top_k = _int(sp, "top_k", -1, -1)
+    n = _int(sp, "n", 1, 1)
+    if n > max_n:
+        raise BadRequest(f"sampling_params.n: at most {max_n} (this server's queue), got {n}")
     return SamplingParams(
         max_new_tokens=max_new, temperature=_number(sp, "temperature", 1.0, 0.0, 100.0),
-        top_p=_number(sp, "top_p", 1.0, 1e-9, 1.0), top_k=-1 if top_k == 0 else top_k,
+        top_p=_number(sp, "top_p", 1.0, 1e-9, 1.0), top_k=_top_k(sp, vocab),
         min_new_tokens=_int(sp, "min_new_tokens", 0, 0), stop_token_ids=tuple(stop_ids), stop=tuple(stop),
-        ignore_eos=ignore_eos, n=_int(sp, "n", 1, 1), seed=seed)
+        ignore_eos=ignore_eos, n=n, seed=_seed(sp))
 
 
-def _prompts(body: dict[str, Any], tokenizer: Any, vocab: int) -> tuple[list[list[int]], bool]:
+def _top_k(sp: dict[str, Any], vocab: int) -> int:
+    """-1 (or 0) and anything from the vocabulary size up mean the whole vocabulary.
+
+    SGLang's own default is 2^30, so large values must be accepted; they are clamped here so that
+    the sampler never sees a number that overflows a tensor.
+    """
+    top_k = _int(sp, "top_k", -1, -1)
+    return -1 if top_k == 0 or top_k >= vocab else top_k
+
+
+def _seed(sp: dict[str, Any]) -> int | None:
+    seed = sp.get("sampling_seed", sp.get("seed"))
+    lo, hi = SEED_RANGE
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not lo <= seed <= hi):
+        raise BadRequest(f"sampling_params.sampling_seed: expected an integer in [-2^63, 2^64), got {seed!r}")
+    return seed
+
+
+def _check_str(value: str, field: str) -> str:
+    """Reject strings that are not valid Unicode (JSON allows lone surrogates such as "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{field}: not valid Unicode ({e.reason} at position {e.start})") from None
+    return value
+
+
+def _prompts(body: dict[str, Any], tokenizer: Any, vocab: int, max_requests: int) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids, and whether a single prompt (not a batch) was sent.
+
+    The number of prompts is checked before any is tokenized or scanned.
+    """
     if ("text" in body) == ("input_ids" in body):
         raise BadRequest("send exactly one of 'text' and 'input_ids'")
     if "text" in body:
-        text = body["text"]
-        if tokenizer is None:
-            raise BadRequest("'text' needs a tokenizer; this server has none: send 'input_ids'")
-        texts = [text] if isinstance(text, str) else text
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text: expected a string or a non-empty list of strings")
-        return [list(tokenizer.encode(t)) for t in texts], isinstance(text, str)
+        return _text_prompts(body["text"], tokenizer, max_requests)
     ids = body["input_ids"]
     single = isinstance(ids, list) and bool(ids) and all(isinstance(t, int) for t in ids)
     batch = [ids] if single else ids
     if not isinstance(batch, list) or not batch:
         raise BadRequest("input_ids: expected a non-empty list of token ids or a list of such lists")
+    _check_batch_size(len(batch), "input_ids", max_requests)
     for i, row in enumerate(batch):
         if not isinstance(row, list) or not row or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row):
@@ -113,7 +159,42 @@ def _prompts(body: dict[str, Any], tokenizer: Any, vocab: int) -> tuple[list[lis
     return batch, single
 
 
-def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int) -> Parsed:
+def _text_prompts(text: Any, tokenizer: Any, max_requests: int) -> tuple[list[list[int]], bool]:
+    """Tokenize ``text``; a prompt that is empty (or tokenizes to nothing) has nothing to continue."""
+    if tokenizer is None:
+        raise BadRequest("'text' needs a tokenizer; this server has none: send 'input_ids'")
+    texts = [text] if isinstance(text, str) else text
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("text: expected a string or a non-empty list of strings")
+    _check_batch_size(len(texts), "text", max_requests)
+    batch = []
+    for i, t in enumerate(texts):
+        field = "text" if isinstance(text, str) else f"text[{i}]"
+        ids = list(tokenizer.encode(_check_str(t, field)))
+        if not ids:
+            raise BadRequest(f"{field}: the prompt is empty (it has no tokens)")
+        batch.append(ids)
+    return batch, isinstance(text, str)
+
+
+def _check_batch_size(size: int, field: str, max_requests: int) -> None:
+    if size > max_requests:
+        raise BadRequest(f"{field}: {size} prompts; this server queues at most {max_requests}")
+
+
+def _rids(body: dict[str, Any], size: int, single: bool) -> list[str]:
+    """One id per prompt: a string rid becomes ``{rid}_{i}`` for a batch, as in SGLang."""
+    rids = body.get("rid")
+    if rids is None or isinstance(rids, str):
+        base = _check_str(rids, "rid") if rids else uuid.uuid4().hex
+        return [base] if single else [f"{base}_{i}" for i in range(size)]
+    if not isinstance(rids, list) or len(rids) != size or not all(isinstance(r, str) for r in rids):
+        raise BadRequest("rid: expected a string or one string per prompt")
+    return [_check_str(r, "rid") for r in rids]
+
+
+def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int, max_requests: int = 2**31) -> Parsed:
+    """Validate a /generate body; ``max_requests`` bounds prompts x n (the server's queue)."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     unknown = set(body) - TOP_LEVEL_KEYS
@@ -128,24 +209,22 @@ def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int) -> Pa
     return_logprob = body.get("return_logprob", False)
     if not isinstance(return_logprob, bool):
         raise BadRequest(f"return_logprob: expected true/false, got {return_logprob!r}")
-    batch, single = _prompts(body, tokenizer, vocab)
+    batch, single = _prompts(body, tokenizer, vocab, max_requests)
     sps = body.get("sampling_params") or {}
     sps = sps if isinstance(sps, list) else [sps] * len(batch)
     if len(sps) != len(batch):
         raise BadRequest(f"sampling_params: {len(sps)} given for {len(batch)} prompts")
-    rids = body.get("rid")
-    if rids is None or isinstance(rids, str):
-        base = rids or uuid.uuid4().hex
-        rids = [base] if single else [f"{base}_{i}" for i in range(len(batch))]
-    if not isinstance(rids, list) or len(rids) != len(batch) or not all(isinstance(r, str) for r in rids):
-        raise BadRequest("rid: expected a string or one string per prompt")
-    prompts = []
+    rids = _rids(body, len(batch), single)
+    groups = []
     for ids, sp, rid in zip(batch, sps, rids, strict=True):
-        params = parse_sampling(sp, len(ids), max_len, vocab, tokenizer is not None)
-        for j in range(params.n):
-            child = rid if params.n == 1 else f"{rid}_{j}"
-            prompts.append((child, ids, params))
-    return Parsed(prompts=prompts, single=single and len(prompts) == 1, return_logprob=return_logprob)
+        groups.append((rid, ids, parse_sampling(sp, len(ids), max_len, vocab, tokenizer is not None,
+                                                max_n=max_requests)))
+    parsed = Parsed(groups=groups, single=False, return_logprob=return_logprob)
+    if parsed.count > max_requests:
+        raise BadRequest(f"sampling_params.n: {len(batch)} prompts x n make {parsed.count} sequences; "
+                         f"this server queues at most {max_requests}")
+    parsed.single = single and parsed.count == 1
+    return parsed
 
 
 def version_spans(versions: list[str]) -> list[dict[str, Any]]:
@@ -165,8 +244,8 @@ def response(req: Request, *, return_logprob: bool, weight_version: str, tokeniz
         "weight_versions": version_spans(req.output_versions),
         "e2e_latency": round(req.finished_at - req.created, 6)}
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids,
-                                                                        strict=True)]
+        meta["output_token_logprobs"] = [[_finite(lp), t, None] for lp, t in zip(req.output_logprobs,
+                                                                                 req.output_ids, strict=True)]
     out: dict[str, Any] = {"output_ids": req.output_ids, "meta_info": meta}
     if tokenizer is not None:
         ids = req.output_ids
@@ -179,3 +258,8 @@ def response(req: Request, *, return_logprob: bool, weight_version: str, tokeniz
             text = text[:text.rindex(matched)]  # ... and the stop string
         out["text"] = text
     return out
+
+
+def _finite(logprob: float) -> float | None:
+    """JSON has no NaN or infinity (Python would write a bare ``NaN``): such a logprob is null."""
+    return logprob if math.isfinite(logprob) else None

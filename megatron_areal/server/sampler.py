@@ -1,15 +1,19 @@
 """Token sampling for a batch of rows, each with its own parameters and random stream.
 
 The returned logprob is SGLang's default: ``log_softmax(logits / T)`` at the chosen token, with
-temperature applied and top-p/top-k truncation not; temperature 0 (greedy) rows use T = 1. Each request draws
-from its own seeded generator, so its tokens do not depend on which other requests share the
-batch.
+temperature applied and top-p/top-k truncation not; greedy rows (temperature below
+``GREEDY_BELOW``, as in SGLang) use T = 1. Each request draws from its own seeded generator, so its
+tokens do not depend on which other requests share the batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+# SGLang runs temperatures below this as greedy (T = 1, top_k = 1): dividing logits by 1e-300
+# overflows to inf and the log-softmax to NaN.
+GREEDY_BELOW = 1e-6
 
 
 @dataclass
@@ -27,14 +31,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32 -> (token ids [B], logprobs [B])."""
     # temperature 0 is greedy and scored at T=1; top_k=1 is greedy too but keeps its temperature.
-    temps = torch.tensor([1.0 if p.temperature <= 0 else p.temperature for p in params], device=logits.device)
+    temps = torch.tensor([1.0 if p.temperature < GREEDY_BELOW else p.temperature for p in params],
+                         device=logits.device)
     logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = logits.argmax(dim=-1)
@@ -50,17 +55,28 @@ def _sample_rows(logprobs: torch.Tensor, params: list[SamplingParams],
     """Inverse-CDF sampling with one uniform per row from that row's generator.
 
     ``right=True`` picks the first index whose CDF exceeds the draw, never a zero-mass token.
+    Rows without truncation always take the plain CDF, so a seeded request draws the same token
+    whether or not a top-k/top-p request shares its batch.
     """
     u = torch.stack([torch.rand((), generator=g) for g in generators]).to(logprobs.device)
     probs = logprobs.exp()
-    truncate = any(p.top_p < 1.0 or p.top_k > 0 for p in params if not p.greedy)
-    if not truncate:
-        cdf = probs.cumsum(-1)
-        idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-        return idx.clamp_(max=probs.shape[-1] - 1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device)
+    cdf = probs.cumsum(-1)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+    truncated = [not p.greedy and (p.top_p < 1.0 or 0 < p.top_k < vocab) for p in params]
+    if any(truncated):
+        rows = torch.tensor(truncated, device=probs.device)
+        tokens = torch.where(rows, _sample_truncated(probs, u, params), tokens)
+    return tokens
+
+
+def _sample_truncated(probs: torch.Tensor, u: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Draw ``u`` from each row's top-k, top-p support (most probable tokens first)."""
+    vocab = probs.shape[-1]
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # Any top_k past the vocabulary means all of it (SGLang's own default is 2^30); clamping here
+    # also keeps the values inside int64.
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=probs.device)
     top_p = torch.tensor([p.top_p for p in params], device=probs.device)
     ranks = torch.arange(vocab, device=probs.device)[None, :]
     before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each candidate

@@ -36,10 +36,6 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def matches(self, rid: str) -> bool:
-        """Exact rid, or a child of a batch/n>1 request (``rid_i``)."""
-        return self.rid == rid or self.rid.startswith(rid + "_")
-
 
 @dataclass
 class Plan:
@@ -110,6 +106,11 @@ class Scheduler:
         taken = [r for r in self.running if predicate(r)] + [r for r in self.waiting if predicate(r)]
         self.running = [r for r in self.running if not predicate(r)]
         self.waiting = deque(r for r in self.waiting if not predicate(r))
+        return taken
+
+    def take_running(self) -> list[Request]:
+        """Remove and return the running requests: those that hold a KV slot."""
+        taken, self.running = self.running, []
         return taken
 
     def retract_all(self) -> list[Request]:
