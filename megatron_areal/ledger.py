@@ -11,16 +11,15 @@ import json
 import os
 from pathlib import Path
 
+from megatron_areal.metrics import truncate_after
 from megatron_areal.rollout.trajectory import Trajectory
 
 
 class TrainedLedger:
     def __init__(self, path: str | Path, resume_step: int) -> None:
         self.path = Path(path)
-        kept = [line for line in self.read(self.path) if line["step"] <= resume_step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(line) + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        truncate_after(self.path, resume_step)  # the same cut as metrics.jsonl and eval.jsonl
+        self.path.touch()
 
     @staticmethod
     def read(path: str | Path) -> list[dict]:

@@ -4,26 +4,93 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
+EVAL_FILE = "eval.jsonl"
+
+
+def truncate_after(path: str | Path, step: int) -> None:
+    """Cut a ``{"step": ...}`` JSONL file back to the records with ``step <= step``: on resume from a
+    checkpoint, the steps an abandoned run logged after it are dropped. A line that does not parse
+    (one cut short by a kill) is dropped too. Rewritten through a temp file and ``os.replace``, so a
+    crash here leaves either the old file or the new one."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            keep = int(record["step"]) <= step
+        except (ValueError, TypeError, KeyError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        logger.info("%s: dropped %d record(s) after step %d (from before the resume)", path, dropped, step)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_eval(run_dir: str | Path, record: dict) -> None:
+    """Append one evaluation (``{"step", "label", "accuracy", "n"}``) to ``RUN_DIR/eval.jsonl``."""
+    with open(Path(run_dir) / EVAL_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_eval(run_dir: str | Path, label: str) -> float | None:
+    """The accuracy of the latest evaluation with this label in ``RUN_DIR/eval.jsonl`` (a resumed
+    run reads back its "before" figure), or None."""
+    path = Path(run_dir) / EVAL_FILE
+    if not path.is_file():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("label") == label and record.get("accuracy") is not None:
+            found = float(record["accuracy"])
+    return found
+
 
 class MetricsWriter:
     """Writes ``{tag: value}`` per step to TensorBoard (``RUN_DIR/tensorboard``) and to
     ``RUN_DIR/metrics.jsonl`` (one line per step, easy to read without TensorBoard), and keeps a
-    progress bar showing step, reward and throughput."""
+    progress bar showing step, reward and throughput.
+
+    A run resumed from step ``start_step`` > 0 keeps what the checkpointed run logged up to that
+    step and drops what an abandoned run logged after it (``metrics.jsonl``, ``eval.jsonl`` and,
+    through ``purge_step``, TensorBoard); a run starting at step 0 starts all three afresh (its
+    "before" evaluation is run again)."""
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int = 0, tensorboard: bool = True,
                  progress: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        keep_through = start_step if start_step > 0 else -1
+        truncate_after(self.run_dir / "metrics.jsonl", keep_through)
+        truncate_after(self.run_dir / EVAL_FILE, keep_through)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=keep_through + 1)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          dynamic_ncols=True, disable=not progress)

@@ -83,6 +83,7 @@ def _rollout_side(cfg: Config, hf_dir: Path, server_urls: list[str], version: in
 
 def _evaluate(side: RolloutSide, cfg: Config, server_urls: list[str], step: int, label: str) -> float | None:
     from megatron_areal.evaluate import evaluate
+    from megatron_areal.metrics import append_eval
 
     if not side.eval_prompts:
         return None
@@ -92,9 +93,18 @@ def _evaluate(side: RolloutSide, cfg: Config, server_urls: list[str], step: int,
     side.metrics.log(step, result.as_metrics())
     logger.info("eval %s (step %d): accuracy %.1f%% on %d held-out prompts of %s (%.0f s)", label, step,
                 100 * result.accuracy, result.n, cfg.data.eval, result.seconds)
-    with open(Path(cfg.train.run_dir) / "eval.jsonl", "a") as f:
-        f.write(f'{{"step": {step}, "label": "{label}", "accuracy": {result.accuracy}, "n": {result.n}}}\n')
+    append_eval(cfg.train.run_dir, {"step": step, "label": label, "accuracy": result.accuracy, "n": result.n})
     return result.accuracy
+
+
+def _before_accuracy(side: RolloutSide, cfg: Config, server_urls: list[str], step: int) -> float | None:
+    """The base model's held-out accuracy, for the closing before -> after summary: a run starting
+    at step 0 evaluates it; a resumed run reads back what its first run recorded in eval.jsonl."""
+    from megatron_areal.metrics import read_eval
+
+    if step == 0:
+        return _evaluate(side, cfg, server_urls, step, "before")
+    return read_eval(cfg.train.run_dir, "before")
 
 
 def _step_metrics(stats: dict[str, float], rollout: dict[str, float], wait_s: float, train_s: float,
@@ -155,7 +165,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
 
     # the fleet is what the weight path holds: a server it drops gets no rollouts or evaluations
     side = _rollout_side(cfg, hf_dir, list(weights.servers), version, step, extra.get("rollout")) if rank0 else None
-    before = _evaluate(side, cfg, list(weights.servers), step, "before") if rank0 and step == 0 else None
+    before = _before_accuracy(side, cfg, list(weights.servers), step) if rank0 else None
     if rank0:
         side.controller.start()
         weights.on_drop = side.controller.drop_server

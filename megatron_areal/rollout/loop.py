@@ -53,7 +53,9 @@ class RolloutLoop:
         self.pool: ServerPool | None = None
         self.counters = collections.Counter[str]()
         self.last_batch: dict[str, float] = {}
-        self._parse_version = VersionParser(version)
+        # a server's launch label ("default") means the weights it was started with: the run's base
+        # model, version 0, also after a resume at version > 0 (a restarted server is not current)
+        self._parse_version = VersionParser(0)
         self._inflight: dict[int, PromptLike] = {}  # group id -> prompt, in submission order
         self._next_gid = 0
         self._run_id = uuid.uuid4().hex[:8]  # request ids stay unique across restarts
@@ -309,5 +311,4 @@ class RolloutLoop:
         self.gate.load_state_dict(state["gate"])
         self.buffer.load_state_dict(state["buffer"])
         self.version = int(state["version"])
-        self._parse_version.base_version = self.version
         self._next_gid = int(state["next_group_id"])
