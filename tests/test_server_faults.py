@@ -208,9 +208,10 @@ class FaultyModel:
     forward while ``broken``."""
 
     def __init__(self, model: Any) -> None:
-        self.model, self.broken = model, False
+        self.model, self.broken, self.delay = model, False, 0.0
 
     def __call__(self, tokens: torch.Tensor, batch: Any, cache: Any) -> torch.Tensor:
+        time.sleep(self.delay)
         if self.broken:
             raise RuntimeError("injected fault: the model cannot run")
         if bool(((batch.starts == 0) & (tokens[:, 0] == POISON)).any()):
@@ -241,6 +242,12 @@ def faulty_engine(tiny_llama):
     engine.stop()
 
 
+def free_slots(engine: Engine) -> int:
+    """Between steps (a step, or the runner's health probe, holds slots for a moment)."""
+    with engine._lock:
+        return engine.cache.free_slots
+
+
 def _internal_error(r: Request) -> bool:
     reason = r.finish_reason or {}
     return reason.get("type") == "abort" and reason.get("status_code") == 500 and "injected" in reason["message"]
@@ -255,7 +262,7 @@ def test_failing_prefill_fails_only_its_request(faulty_engine: Engine) -> None:
     assert _internal_error(done["bad"]) and done["bad"].output_ids == []
     for rid in ("ok0", "ok1", "ok2"):
         assert done[rid].finish_reason == {"type": "length", "length": 20}, done[rid].finish_reason
-    assert faulty_engine.cache.free_slots == 4
+    assert free_slots(faulty_engine) == 4
     assert faulty_engine.health() == (True, "ok")
 
 
@@ -279,19 +286,48 @@ def test_failing_decode_fails_only_its_request(faulty_engine: Engine, monkeypatc
     assert _internal_error(done["bad"]) and len(done["bad"].output_ids) == 2
     assert done["ok"].output_ids == alone["ref"].output_ids  # the retry did not disturb its random stream
     assert len(done["ok2"].output_ids) == 20
-    assert faulty_engine.cache.free_slots == 4
+    assert free_slots(faulty_engine) == 4
 
 
 def test_broken_model_answers_everyone_and_reports_unhealthy(faulty_engine: Engine) -> None:
     faulty_engine.model.broken = True
     done = run(faulty_engine, [(f"r{i}", [1, i + 2], SP) for i in range(6)])  # more requests than slots
     assert all(_internal_error(r) for r in done.values())
-    assert faulty_engine.cache.free_slots == 4
+    assert free_slots(faulty_engine) == 4
     healthy, why = faulty_engine.health()
     assert not healthy and "injected" in why
-    faulty_engine.model.broken = False
+    faulty_engine.model.broken = False  # e.g. fixed by a weight update: the idle runner notices
+    deadline = time.monotonic() + 10
+    while faulty_engine.health() != (True, "ok"):
+        assert time.monotonic() < deadline, "health did not recover once the model ran again"
+        time.sleep(0.1)
     assert len(run(faulty_engine, [("again", [1, 2], SP)])["again"].output_ids) == 20
-    assert faulty_engine.health() == (True, "ok")
+
+
+def test_stalled_step_turns_health_off(tiny_llama) -> None:
+    engine = Engine(tiny_llama, EngineOptions(max_running=2, context_length=64, step_stall_s=0.3))
+    engine.model = FaultyModel(engine.model)
+    engine.model.delay = 1.0
+    engine.start()
+    try:
+        seen = []
+        done = threading.Event()
+        engine.submit([("slow", [1, 2], SamplingParams(max_new_tokens=1))], lambda r: done.set())
+        while not done.is_set():
+            seen.append(engine.health()[0])
+            time.sleep(0.05)
+        assert False in seen and engine.health() == (True, "ok")
+    finally:
+        engine.stop()
+
+
+def test_lost_slots_are_reclaimed(faulty_engine: Engine) -> None:
+    """No free slot while nothing runs used to spin the runner at 100% CPU with requests hung."""
+    with faulty_engine._lock:
+        for _ in range(faulty_engine.cache.num_slots):
+            faulty_engine.cache.allocate()  # leaked, as a failed prefill used to leak them
+    assert len(run(faulty_engine, [("after-leak", [1, 2], SP)])["after-leak"].output_ids) == 20
+    assert free_slots(faulty_engine) == 4
 
 
 def test_failing_step_over_http(tiny_llama) -> None:

@@ -31,6 +31,9 @@ from megatron_areal.server.weights import (
 )
 
 log = logging.getLogger(__name__)
+# While the model cannot step, an idle runner probes it this often, so /health recovers (after a
+# weight update, say) without waiting for a request.
+REPROBE_S = 2.0
 
 
 class QueueFull(RuntimeError):
@@ -177,12 +180,14 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels and allocations of this thread
         while not self._stopping:
-            self._work.wait()
+            self._work.wait(timeout=REPROBE_S if self._broken else None)
             with self._lock:
                 if self._stopping:
                     return
                 self.scheduler.waiting.extend(self._drain_inbox())
                 if self.paused or not self.scheduler.has_work():
+                    if self._broken is not None and not self.scheduler.running:
+                        self._broken = self._probe()  # idle: find out whether the model runs again
                     self._work.clear()
                     if self._inbox:  # submitted between the drain and the clear: don't sleep on it
                         self._work.set()
