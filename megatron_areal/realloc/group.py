@@ -80,6 +80,9 @@ class WeightUpdateGroup:
         """Release the backend and its registration; the object is unusable afterwards."""
         if self._pg is not None:
             pg, self._pg = self._pg, None
+            # Close the connections now: peers still waiting in a collective of this group (after
+            # a failed transfer) get an error at once instead of waiting out their timeout.
+            pg.shutdown()
             with _create_lock:
                 dist.destroy_process_group(pg)
 

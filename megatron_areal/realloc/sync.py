@@ -185,7 +185,9 @@ class WeightSync:
             lost = self._drop_dead(outcome.errors)
             dropped.update(lost)
             refused = {u: m for u, m in outcome.errors.items() if u not in lost}
-            if refused:
+            # With a server lost, the others' errors may be its doing (a group it never joined):
+            # retry without it. Errors from live servers alone are refusals.
+            if refused and not lost:
                 raise WeightSyncError(f"weights v{version} refused (servers stay paused): "
                                       + "; ".join(refused.values()))
             log.warning("weights v%s: retrying without %s (attempt %d)", version, ", ".join(lost), attempt + 2)
@@ -221,8 +223,10 @@ class WeightSync:
                     link, local.errors = self._link_for(servers, temporary)
                 if self.groups.dp_rank == 0:
                     self._stream(link, version, local)
-            if self.groups.pp > 1:
-                dist.barrier(group=self.control_group)
+            if self.groups.pp > 1 and stage < self.groups.pp - 1:
+                # later stages leave out the servers that already failed (they would wait for them)
+                failed = self._merge(_Outcome(errors=dict(local.errors))).errors
+                servers = {u: tp for u, tp in servers.items() if u not in failed}
         outcome = self._merge(local)
         if link is not None and (temporary or outcome.errors):
             link.destroy([u for u in servers if u not in outcome.errors])
