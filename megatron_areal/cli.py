@@ -13,7 +13,6 @@ COMMANDS = {
     "eval": ("megatron_areal.evaluate", "held-out accuracy of a model on a task"),
     "prepare": ("megatron_areal.assets", "one-time preparation of built-in models (SmolLM2-135M from GGUF)"),
     "simulate": ("megatron_areal.sim.cli", "discrete-event model of a cluster run; planning"),
-    "bench": ("megatron_areal.benchmarks", "run a benchmark from bench/"),
 }
 
 
