@@ -76,9 +76,12 @@ def main() -> None:
         pool.run(peak_rss_mb)
         to_hf_s, to_hf_peak = pool.run(to_hf_in_child, str(ckpt), str(back))[0]
     print(f"mcore-to-hf: {to_hf_s:.2f} s, peak RSS {to_hf_peak:.0f} MB (one process, no model built)")
-    print(f"round trip bitwise identical: {bitwise_identical(src, back)}")
+    identical = bitwise_identical(src, back)
+    print(f"round trip bitwise identical: {identical}")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
+    if not identical:  # a conversion that changes the weights has no time worth reporting
+        raise SystemExit("convert: HF -> Megatron -> HF is not bitwise identical; no RESULT")
     print(f"RESULT convert_roundtrip_s {to_mcore_s + to_hf_s:.2f}")
 
 
