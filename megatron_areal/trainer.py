@@ -188,7 +188,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
             t0 = time.monotonic()
             batch = broadcast_batch(side.controller.get_batch(BATCH_TIMEOUT_S) if rank0 else None)
             t1 = time.monotonic()
-            stats = actor.ppo_update(batch, cfg.rollout.temperature)
+            stats = actor.ppo_update(batch, cfg.rollout.temperature, version=version)
             t2 = time.monotonic()
             if rank0:  # hold new groups and re-posts; the weight mover pauses the servers itself
                 side.controller.pause_generation(pause_servers=False)

@@ -29,9 +29,16 @@ from megatron_areal.actor.microbatch import PackedMicroBatch, pack
 from megatron_areal.actor.model import DTYPES, build_model, check_layout
 from megatron_areal.actor.optim import build_train_state, current_lr
 from megatron_areal.actor.parallel import ParallelGroups
-from megatron_areal.actor.ppo_batch import StatsReducer, check_trajectories, sequence_advantages, token_advantages
+from megatron_areal.actor.ppo_batch import (
+    StatsReducer,
+    check_trajectories,
+    fresh_token_mask,
+    sequence_advantages,
+    token_advantages,
+)
 from megatron_areal.algorithm import decoupled_ppo_loss, kl_penalty
 from megatron_areal.algorithm.config import PPOConfig
+from megatron_areal.algorithm.offpolicy import rollout_mismatch_metrics
 from megatron_areal.convert.arch import ModelArch
 from megatron_areal.data.packing import allocate_microbatches, kk_partition
 from megatron_areal.rollout.trajectory import Trajectory
@@ -140,7 +147,8 @@ class Actor:
                 p.copy_(c)
 
     # ---------------------------------------------------------------- PPO
-    def ppo_update(self, trajectories: Sequence[Trajectory], temperature: float = 1.0) -> dict[str, float]:
+    def ppo_update(self, trajectories: Sequence[Trajectory], temperature: float = 1.0,
+                   version: int | None = None) -> dict[str, float]:
         """Recompute proximal logprobs (a no-grad forward, skipped with a single mini-batch where the
         training forward yields them), compute advantages, run ``ppo.n_minibatches`` optimizer steps.
 
@@ -148,7 +156,16 @@ class Actor:
         ``importance_weight_mean``, ``entropy``, ``kl``, ``grad_norm`` (means over mini-batches),
         ``importance_weight_max``, ``tokens`` (loss tokens), ``dropped_tokens``, ``lr`` (after the
         update), ``n_microbatches`` (per DP rank) and ``tokens_per_s`` (all tokens over the wall time
-        of the whole update, proximal recompute included).
+        of the whole update, proximal recompute included), ``truncated_tokens`` and
+        ``dropped_sequences`` (``ppo:`` corrections, algorithm/offpolicy.py).
+
+        Mismatch metrics (algorithm/offpolicy.py ``rollout_mismatch_metrics``): the trainer's
+        logprobs under the weights it holds at the start of the update (pi_prox; with naive PPO and
+        several mini-batches, only the first mini-batch has them) against the behaviour logprobs:
+        ``rollout_mismatch_abs`` / ``rollout_mismatch_kl`` (k3) over the tokens whose per-token
+        version equals ``version`` (the trainer's current policy version; None: the newest token
+        version in the batch), ``rollout_mismatch_tokens`` their count, and
+        ``behav_imp_weight_p50/p90/p99/max`` over all loss tokens.
         """
         start = time.perf_counter()
         cfg = self.ppo_cfg
@@ -173,18 +190,42 @@ class Actor:
             values["reference"] = [lp.tolist() for lp in self._reference_logprobs(sequences, temperature)]
         lengths = [len(s) for s in sequences]
         stats: list[dict[str, float]] = []
+        trainer_lp: dict[int, torch.Tensor] = {}
+        if "proximal" in values and cfg.decoupled:
+            trainer_lp = {i: torch.tensor(lp, dtype=torch.float32) for i, lp in enumerate(values["proximal"])}
         for members in kk_partition(lengths, cfg.n_minibatches):
-            stats.append(self._minibatch_step([sequences[i] for i in members],
-                                              {k: [v[i] for i in members] for k, v in values.items()},
-                                              temperature))
+            step_stats, gathered = self._minibatch_step(
+                [sequences[i] for i in members], {k: [v[i] for i in members] for k, v in values.items()},
+                temperature, collect_logprobs=not trainer_lp)
+            stats.append(step_stats)
+            if gathered is not None:
+                trainer_lp = dict(zip(members, gathered))
         out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
         out["importance_weight_max"] = max(s["importance_weight_max"] for s in stats)
         out.update(tokens=sum(s["tokens"] for s in stats), dropped_tokens=sum(s["dropped_tokens"] for s in stats),
+                   truncated_tokens=sum(s["truncated_tokens"] for s in stats),
+                   dropped_sequences=sum(s["dropped_sequences"] for s in stats),
                    lr=current_lr(self.optimizer), tokens_per_s=sum(lengths) / (time.perf_counter() - start))
+        out.update(self._mismatch(trajectories, trainer_lp, version))
         return out
 
+    @staticmethod
+    def _mismatch(trajectories: Sequence[Trajectory], trainer_lp: dict[int, torch.Tensor],
+                  version: int | None) -> dict[str, float]:
+        ids = sorted(trainer_lp)
+        if not ids:
+            return {}
+        fresh = fresh_token_mask([trajectories[i] for i in ids], version)
+        cat = lambda rows: torch.cat([torch.as_tensor(r, dtype=torch.float32) for r in rows])  # noqa: E731
+        return rollout_mismatch_metrics(cat([trainer_lp[i] for i in ids]),
+                                        cat([trajectories[i].behavior_logprobs for i in ids]),
+                                        cat([trajectories[i].loss_mask for i in ids]) > 0, cat(fresh) > 0)
+
     def _minibatch_step(self, sequences: list[list[int]], values: dict[str, Sequence[Sequence[float]]],
-                        temperature: float) -> dict[str, float]:
+                        temperature: float, collect_logprobs: bool = False,
+                        ) -> tuple[dict[str, float], list[torch.Tensor] | None]:
+        """One optimizer step; with ``collect_logprobs`` also the detached training-forward logprobs
+        of every sequence (the weights before this step), on every rank."""
         cfg, groups = self.ppo_cfg, self.groups
         n_loss_tokens = max(sum(sum(m) for m in values["loss_mask"]), 1.0)
         batches = self._plan(sequences, 2 * groups.pp if groups.pp > 1 else 1, values)
@@ -194,10 +235,19 @@ class Actor:
             v = mb.values
             mask = (v["loss_mask"] > 0) & mb.target_mask
             proximal = v["proximal"] if "proximal" in v else lp.detach()
+            seq_ids = None
+            if cfg.seq_imp_weight_low is not None or cfg.seq_imp_weight_high is not None:
+                seq_ids = torch.full_like(mb.targets, -1)
+                for k, (o, n) in enumerate(zip(mb.offsets, mb.lengths)):
+                    seq_ids[o:o + n - 1] = k
             loss, st = decoupled_ppo_loss(lp, proximal, v["behaviour"], v["advantages"], mask,
                                           eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
                                           behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-                                          loss_scale_tokens=n_loss_tokens)
+                                          loss_scale_tokens=n_loss_tokens,
+                                          behav_imp_weight_mode=cfg.behav_imp_weight_mode,
+                                          behav_imp_weight_low=cfg.behav_imp_weight_low,
+                                          seq_imp_weight_low=cfg.seq_imp_weight_low,
+                                          seq_imp_weight_high=cfg.seq_imp_weight_high, seq_ids=seq_ids)
             kl_sum = 0.0
             if cfg.kl_coef > 0:
                 kl = torch.where(mask, kl_penalty(lp, v["reference"]), torch.zeros_like(lp))
@@ -207,7 +257,10 @@ class Actor:
             report = {"loss": float(loss.detach()), "tokens": n, "clipped": st["clip_fraction"] * n,
                       "iw_sum": st["importance_weight_mean"] * n, "iw_max": st["importance_weight_max"],
                       "dropped_tokens": st["dropped_tokens"], "entropy_sum": float(ent[mask].sum()),
-                      "kl_sum": kl_sum}
+                      "kl_sum": kl_sum, "truncated_tokens": st["truncated_tokens"],
+                      "dropped_sequences": st["dropped_sequences"]}
+            if collect_logprobs:
+                report["trainer_logprobs"] = lp.detach().float()
             return loss * scale, report
 
         for chunk in self.model:
@@ -225,4 +278,5 @@ class Actor:
                              groups.device)
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         out["n_microbatches"] = float(len(batches))
-        return out
+        gathered = self._gather(sequences, batches, reports, ("trainer_logprobs",))[0] if collect_logprobs else None
+        return out, gathered

@@ -11,7 +11,12 @@ from megatron_areal.configbase import require
 class PPOConfig:
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # None: same as eps_clip
-    behav_imp_weight_cap: float | None = 5.0  # drop tokens whose w = pi_prox / pi_behav exceeds it
+    # Corrections of the behaviour weight w = pi_prox / pi_behav; formulas in algorithm/offpolicy.py.
+    behav_imp_weight_cap: float | None = 5.0  # C: the upper bound on w (null: none)
+    behav_imp_weight_mode: Literal["mask", "truncate"] = "mask"  # mask: drop w > C (MIS); truncate: min(w, C) (TIS)
+    behav_imp_weight_low: float | None = None  # mask mode: also drop w < it (icepop-style two-sided mask)
+    seq_imp_weight_low: float | None = None  # drop sequences whose geometric-mean w is below it
+    seq_imp_weight_high: float | None = None  # ... or above it
     n_minibatches: int = 1  # optimizer steps per training batch
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     normalize_batch_advantage: bool = False  # whiten advantages over the whole batch (all DP ranks)
@@ -23,5 +28,17 @@ class PPOConfig:
         require(self.eps_clip_high is None or self.eps_clip_high > 0, "eps_clip_high", "must be > 0")
         require(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,
                 "behav_imp_weight_cap", "must be > 1 (or null to disable)")
+        require(self.behav_imp_weight_mode in ("mask", "truncate"), "behav_imp_weight_mode",
+                f"must be 'mask' or 'truncate', got {self.behav_imp_weight_mode!r}")
+        require(self.behav_imp_weight_mode != "truncate" or self.behav_imp_weight_cap is not None,
+                "behav_imp_weight_cap", "truncate mode (TIS) needs a cap to truncate at")
+        require(self.behav_imp_weight_low is None or 0 < self.behav_imp_weight_low < 1, "behav_imp_weight_low",
+                "must be in (0, 1) (or null to disable)")
+        require(self.behav_imp_weight_low is None or self.behav_imp_weight_mode == "mask", "behav_imp_weight_low",
+                "is a token-mask bound: needs behav_imp_weight_mode 'mask'")
+        require(self.seq_imp_weight_low is None or 0 < self.seq_imp_weight_low < 1, "seq_imp_weight_low",
+                "must be in (0, 1) (or null to disable)")
+        require(self.seq_imp_weight_high is None or self.seq_imp_weight_high > 1, "seq_imp_weight_high",
+                "must be > 1 (or null to disable)")
         require(self.n_minibatches >= 1, "n_minibatches", "must be >= 1")
         require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
