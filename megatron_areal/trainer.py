@@ -169,6 +169,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     if rank0:
         side.controller.start()
         weights.on_drop = side.controller.drop_server
+        weights.on_join = side.controller.add_server  # a dropped server back (restarted), with current weights
     saved_at = {"step": step}
 
     def save_checkpoint(at: int, version: int) -> None:
@@ -216,6 +217,10 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
             if before is not None and after is not None:
                 logger.info("held-out accuracy %.1f%% -> %.1f%% (%+.1f points) over %d steps", 100 * before,
                             100 * after, 100 * (after - before), step)
+        if rank0 and (weights.readmitted or weights.lost):
+            logger.warning("rollout servers: %d re-admitted after a restart (rollout/server_restarts), %d still "
+                           "out at the end%s", weights.readmitted, len(weights.lost),
+                           f" ({', '.join(weights.lost)})" if weights.lost else "")
     finally:
         if rank0:
             side.close()

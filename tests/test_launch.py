@@ -92,17 +92,20 @@ def test_sigint_stops_servers_and_torchrun_trainer(tmp_path: Path) -> None:
     assert {"server-0.log", "server-1.log", "trainer.log"} <= logs
 
 
-def test_dead_server_stops_the_run(tmp_path: Path) -> None:
+def test_run_stops_when_no_server_is_left(tmp_path: Path) -> None:
+    """A dead server is restarted (tests/test_server_restart.py); past server.max_restarts it is given
+    up, and with none left the launcher stops the run and everything it started."""
     run_dir = tmp_path / "run"
-    launcher = start_launcher(run_dir)
+    launcher = start_launcher(run_dir, "server.max_restarts=0")
     try:
         wait_until(lambda: servers_registered(run_dir, 2), 120, "two servers to register")
-        server = json.loads(next((run_dir / "servers").iterdir()).read_text())
-        os.kill(server["pid"], signal.SIGKILL)
+        for f in list((run_dir / "servers").iterdir()):
+            os.kill(json.loads(f.read_text())["pid"], signal.SIGKILL)
         out, _ = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
     assert launcher.returncode != 0, out
+    assert "none could be restarted" in out, out
     assert_all_stopped(run_dir)
 
 

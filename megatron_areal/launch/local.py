@@ -1,8 +1,13 @@
-"""Everything on one machine: servers, then the trainer; on Ctrl-C or any failure, stop them all."""
+"""Everything on one machine: servers, then the trainer; on Ctrl-C or any failure, stop them all.
+
+A server that dies while the trainer runs is started again on its port (``server.max_restarts``
+times, with backoff); the trainer re-admits it at its next weight sync. The run stops only when
+no server is left."""
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +16,7 @@ from megatron_areal.launch.commands import role_env, run_paths, server_command, 
 from megatron_areal.launch.control import clear_requests
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.plan import Node, Plan, make_plan
-from megatron_areal.launch.procs import ProcessSet, Stopped, supervised
+from megatron_areal.launch.procs import ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
 
@@ -101,11 +106,18 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
     cmd = trainer_command(plan, 0, config_path, overrides, paths["plan"])
     env = role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port), threads=cfg.cluster.cpu_threads)
     trainer = procs.start("trainer", cmd, env_with_api_key(env, cfg.server.api_key))
-    first = procs.wait_any()
-    if first is trainer:
-        rc = trainer.returncode() or 0
-        (logger.info if rc == 0 else logger.error)("trainer exited with code %d (log %s)", rc, trainer.log_path)
-        return rc
-    logger.error("server %s died (code %s) while training; last lines of %s:\n%s", servers[first.name].id,
-                 first.returncode(), first.log_path, first.log_tail())
-    return 1
+    keeper = ServerKeeper(procs, {c.name: c for c in procs.children if c.name in servers},
+                          {name: slot.id for name, slot in servers.items()}, cfg.server.max_restarts,
+                          cfg.server.restart_backoff_s)
+    while trainer.returncode() is None:
+        keeper.poll()  # a dead server is restarted on its port; the trainer re-admits it at a sync
+        if keeper.alive() == 0:
+            logger.error("every rollout server died and none could be restarted (%s); stopping the run",
+                         keeper.summary())
+            return 1
+        time.sleep(0.2)
+    if keeper.total_restarts or keeper.given_up:
+        logger.warning("%s", keeper.summary())
+    rc = trainer.returncode() or 0
+    (logger.info if rc == 0 else logger.error)("trainer exited with code %d (log %s)", rc, trainer.log_path)
+    return rc

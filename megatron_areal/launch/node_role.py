@@ -2,8 +2,9 @@
 
 ``python -m megatron_areal.launch.node_role {rollout|trainer} --plan RUN_DIR/plan.json CONFIG [k=v ...]``
 
-- rollout: start the servers the plan puts on this node (each on its GPUs, port and log), and
-  exit non-zero as soon as one dies (``srun --kill-on-bad-exit`` then ends the whole step);
+- rollout: start the servers the plan puts on this node (each on its GPUs, port and log); restart
+  one that dies on its port (``server.max_restarts`` times, with backoff; the trainer re-admits it
+  at its next weight sync), and exit once none of them is left;
 - trainer: run torchrun with this node's rank in the plan's trainer nodes.
 
 On SIGTERM (the batch step stopping, ``scancel``, preemption) every child is stopped first.
@@ -16,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -23,7 +25,7 @@ from megatron_areal.config import Config, load_config
 from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
 from megatron_areal.launch.control import request_checkpoint
 from megatron_areal.launch.plan import Plan, ServerSlot
-from megatron_areal.launch.procs import Child, ProcessSet, Stopped, supervised
+from megatron_areal.launch.procs import Child, ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key
 from megatron_areal.server.cli import write_registration
 from megatron_areal.server.sglang_launcher import LaunchError as SGLangLaunchError
@@ -55,10 +57,16 @@ def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, pr
         except SGLangLaunchError as e:
             logger.error("%s", e)
             return 1
-    dead = procs.wait_any()
-    logger.error("server %s exited with code %s; last lines of %s:\n%s", dead.name, dead.returncode(),
-                 dead.log_path, dead.log_tail())
-    return dead.returncode() or 1
+    keeper = ServerKeeper(procs, {child.name: child for _, child in started},
+                          {child.name: slot.id for slot, child in started}, cfg.server.max_restarts,
+                          cfg.server.restart_backoff_s)
+    while keeper.alive():
+        keeper.poll()  # a dead server is restarted on its port; the trainer re-admits it at a sync
+        time.sleep(0.2)
+    # Exit 0: srun's --kill-on-bad-exit would end the other nodes' servers too. The rollout step
+    # ends (and the batch step with it) once every node's servers are gone.
+    logger.error("every rollout server on node %s died and could not be restarted: %s", node, keeper.summary())
+    return 0
 
 
 def _register_when_healthy(started: list[tuple[ServerSlot, Child]], cfg: Config, reg: Path) -> None:

@@ -14,9 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import BinaryIO
@@ -47,6 +48,8 @@ class Child:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    cmd: list[str] = field(default_factory=list)  # what started it, for a restart
+    env: dict[str, str] | None = None
 
     @property
     def pid(self) -> int:
@@ -92,7 +95,7 @@ class ProcessSet:
                 popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True,
                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            child = Child(name, popen, log_path)
+            child = Child(name, popen, log_path, list(cmd), env)
             self.children.append(child)
         finally:
             self._starting = False
@@ -100,6 +103,17 @@ class ProcessSet:
         if self._held_signal is not None:
             raise Stopped(self._held_signal)
         return child
+
+    def restart(self, child: Child) -> Child:
+        """Start an exited child's command again under its name (its log goes on); the new process
+        takes the old one's place in the set. Whatever the old one left in its process group is
+        killed first, so nothing of it holds the port the new one binds."""
+        if child.returncode() is None:
+            raise RuntimeError(f"{child.name} (pid {child.pid}) is still running")
+        _signal_group(child.pid, signal.SIGKILL)
+        new = self.start(child.name, child.cmd, child.env)
+        self.children = [c for c in self.children if c is not child]
+        return new
 
     def exited(self) -> list[Child]:
         return [c for c in self.children if c.returncode() is not None]
@@ -163,6 +177,65 @@ class ProcessSet:
                 c.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 logger.error("%s (pid %d) survived SIGKILL", c.name, c.pid)
+
+
+class ServerKeeper:
+    """Restarts rollout servers that die: each at most ``max_restarts`` times, after ``backoff_s``
+    doubled with every restart of the same server, with the same command (so the same port and
+    URL, where the trainer re-admits it at its next weight sync). A server past its restarts is
+    given up: said once, and the run goes on with the others; ``alive()`` counts those left.
+    Call ``poll()`` often; it never blocks."""
+
+    def __init__(self, procs: ProcessSet, servers: dict[str, Child], labels: dict[str, str], max_restarts: int,
+                 backoff_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.procs, self.max_restarts, self.backoff_s, self.clock = procs, max_restarts, backoff_s, clock
+        self.servers = dict(servers)  # child name -> the current process
+        self.labels = labels  # child name -> what to call it in messages (the plan's server id)
+        self.restarts = Counter[str]()
+        self.given_up: dict[str, str] = {}
+        self._due: dict[str, float] = {}
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(self.restarts.values())
+
+    def alive(self) -> int:
+        """Servers not given up (running, or waiting to be restarted)."""
+        return len(self.servers) - len(self.given_up)
+
+    def poll(self) -> None:
+        now = self.clock()
+        for name, child in list(self.servers.items()):
+            if name in self.given_up:
+                continue
+            if name in self._due:
+                if now >= self._due[name]:
+                    del self._due[name]
+                    self.servers[name] = self.procs.restart(child)
+                continue
+            code = child.returncode()
+            if code is None:
+                continue
+            label, done = self.labels.get(name, name), self.restarts[name]
+            if done >= self.max_restarts:
+                self.given_up[name] = f"exited with code {code} after {done} restarts"
+                logger.error("server %s died (code %s) and was restarted %d times already (server.max_restarts "
+                             "%d): giving it up; the run goes on with the other %d servers; last lines of %s:\n%s",
+                             label, code, done, self.max_restarts, self.alive(), child.log_path, child.log_tail())
+                continue
+            self.restarts[name] += 1
+            delay = self.backoff_s * 2 ** done
+            self._due[name] = now + delay
+            logger.warning("server %s died (code %s); restarting it in %.1f s with the same command and port "
+                           "(restart %d of %d); last lines of %s:\n%s", label, code, delay, done + 1,
+                           self.max_restarts, child.log_path, child.log_tail())
+
+    def summary(self) -> str:
+        restarted = ", ".join(f"{self.labels.get(n, n)} x{k}" for n, k in sorted(self.restarts.items()))
+        text = f"rollout servers: {self.total_restarts} restarts ({restarted or 'none'})"
+        if self.given_up:
+            text += "; given up: " + ", ".join(f"{self.labels.get(n, n)} ({why})" for n, why in self.given_up.items())
+        return text
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -245,6 +245,7 @@ def _outcome(first: Child, trainer: Child, logs: Path) -> int:
         rc = trainer.returncode() or 0
         (logger.info if rc == 0 else logger.error)("trainer step exited with code %d (logs in %s)", rc, logs)
         return rc
-    logger.error("rollout step died (code %s) during training; see %s/rollout-<node>.log:\n%s",
+    logger.error("rollout step ended (code %s) during training: its servers died past server.max_restarts "
+                 "restarts; see %s/rollout-<node>.log:\n%s",
                  first.returncode(), logs, first.log_tail())
     return 1

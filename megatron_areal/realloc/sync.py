@@ -68,6 +68,14 @@ def normalize_url(url: str) -> str:
     return url if "://" in url else "http://" + url
 
 
+def _is_int(label: str) -> bool:
+    try:
+        int(label)
+    except ValueError:
+        return False
+    return True
+
+
 def default_master_address() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -81,7 +89,8 @@ class WeightSync:
                  api_key: str | None = None, template_dir: str | Path | None = None,
                  control_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
                  on_bucket: Callable[[int, Bucket], None] | None = None,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
+                 on_drop: Callable[[str, str], None] | None = None,
+                 on_join: Callable[[str], None] | None = None) -> None:
         self.chunks, self.arch, self.groups = list(chunks), arch, groups
         self.config = config or ReallocConfig()
         self.config.validate()
@@ -90,11 +99,14 @@ class WeightSync:
                              "for the config and tokenizer files")
         self.server_tp, self.dtype, self.on_bucket = server_tp, dtype, on_bucket
         self.on_drop = on_drop  # rank 0: told (url, reason) of every server dropped, e.g. to stop routing to it
+        self.on_join = on_join  # rank 0: told the url of every dropped server re-admitted, to route to it again
         self.template_dir = Path(template_dir) if template_dir is not None else None
         self.control_group = control_group
         self.rank0 = dist.get_rank(control_group) == 0
         self.is_head = groups.tp_rank == 0 and groups.dp_rank == 0
         self.servers: dict[str, int] = {normalize_url(u): server_tp for u in servers}
+        self.lost: dict[str, int] = {}  # dropped servers (url -> tp): re-admitted when they answer again
+        self.readmitted = 0  # how many times a dropped server came back
         self.version: str | None = None
         self.master_address = self.config.master_address or default_master_address()
         self.backend = "nccl" if groups.backend == "nccl" else "gloo"
@@ -106,10 +118,12 @@ class WeightSync:
     def sync(self, version: str | int) -> SyncResult:
         """Collective: pause, transfer, set ``version`` on every server, continue."""
         version, start = str(version), time.monotonic()
-        dropped = self._pause(list(self.servers))
+        dropped = self._drop_restarted()
+        dropped.update(self._pause(list(self.servers)))
         outcome = self._push_until_done(version, dropped)
         self._resume(list(self.servers))
         self.version = version
+        self.readmit()
         result = SyncResult(version=version, seconds=time.monotonic() - start, bytes_sent=outcome.bytes_sent,
                             buckets=outcome.buckets, max_bucket_bytes=outcome.max_bucket_bytes,
                             servers=list(self.servers), dropped=dropped, gather_seconds=outcome.gather_seconds,
@@ -142,6 +156,33 @@ class WeightSync:
         # the next sync re-forms the stage groups with the newcomer in them
         self.servers.update(newcomer)
         log.info("server %s joined at weight version %s", url, self.version)
+
+    def readmit(self) -> list[str]:
+        """Collective: take back the dropped servers that answer again (say, restarted by the
+        launcher on their port), each with the current weights (``add_server``); rank 0 tells
+        ``on_join``. One that fails to take the weights stays out and is tried at the next call.
+        Returns the urls re-admitted."""
+        back: dict[str, str] = {}
+        if self.rank0 and self.lost:
+            assert self.pool is not None
+            back = {u: "" for u, ok in self.pool.alive(list(self.lost)).items() if ok}
+        back = self._from_rank0(back)
+        joined = []
+        for url in back:
+            try:
+                self.add_server(url, self.lost[url])
+            except WeightSyncError as e:
+                log.warning("rollout server %s answers again but could not be re-admitted (tried again at the "
+                            "next sync): %s", url, e)
+                continue
+            self.lost.pop(url, None)
+            self.readmitted += 1
+            joined.append(url)
+            log.warning("rollout server %s re-admitted with weights v%s (%d re-admissions in this run)", url,
+                        self.version, self.readmitted)
+            if self.rank0 and self.on_join is not None:
+                self.on_join(url)
+        return joined
 
     def close(self) -> None:
         if self._link is not None:
@@ -200,10 +241,34 @@ class WeightSync:
             assert self.pool is not None
             alive = self.pool.alive(list(errors))  # members, or a server being added
             dead = {u: errors[u] for u, ok in alive.items() if not ok}
-        dead = self._from_rank0(dead)
+        return self._forget(self._from_rank0(dead))
+
+    def _drop_restarted(self) -> dict[str, str]:
+        """Rank 0 asks every member for its weight version. Versions we push are integers; one that
+        answers with a launch label instead (``"default"``, SGLang's and ours) is a fresh process on
+        a member's port, restarted since the last sync: it lost the weights and its place in the
+        weight group, so all ranks drop it before the pause, and ``readmit`` at the end of the sync
+        takes it back with the current weights. A member that does not answer is left to the pause."""
+        found: dict[str, str] = {}
+        if self.rank0 and self.version is not None and self.servers:
+            assert self.pool is not None
+            futures = {u: self.pool.submit(u, lambda c: c.weight_version()) for u in self.servers}
+            deadline = time.monotonic() + 10.0
+            for url, future in futures.items():
+                try:
+                    label = str(future.result(max(0.1, deadline - time.monotonic())))
+                except Exception:  # noqa: BLE001 - no answer: the pause decides
+                    continue
+                if label != self.version and not _is_int(label):
+                    found[url] = (f"answers with weight version {label!r} instead of {self.version!r}: "
+                                  "it was restarted")
+        return self._forget(self._from_rank0(found))
+
+    def _forget(self, dead: dict[str, str]) -> dict[str, str]:
+        """Every rank: drop ``dead`` from the members (rank 0 tells ``on_drop``); remember them for ``readmit``."""
         for url, message in dead.items():
             log.error("dropping rollout server %s: %s", url, message)
-            self.servers.pop(url, None)
+            self.lost[url] = self.servers.pop(url, None) or self.lost.get(url) or self.server_tp
             if self.rank0 and self.on_drop is not None:
                 self.on_drop(url, message)
         return dead

@@ -126,6 +126,11 @@ class RolloutController:
         """Route nothing more to ``url`` (the weight path dropped it); safe from any thread."""
         self._run_sync(lambda: self._core.drop_server(url, reason), need_loop=True)
 
+    def add_server(self, url: str) -> None:
+        """Route to ``url`` again (the weight path re-admitted it with the current weights); safe
+        from any thread."""
+        self._run_sync(lambda: self._core.add_server(url), need_loop=True)
+
     def set_version(self, version: int) -> None:
         self._run_sync(lambda: self._core.set_version(version))
 

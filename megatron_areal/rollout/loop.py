@@ -265,7 +265,21 @@ class RolloutLoop:
 
     def drop_server(self, url: str, reason: str) -> None:
         assert self.pool is not None, "drop_server() before start()"
+        if any(s.url == url.rstrip("/") for s in self.pool.slots):
+            self.counters["servers_dropped"] += 1
         self.pool.remove(url, reason)
+
+    def add_server(self, url: str) -> None:
+        """Route to ``url`` (again): the weight path gave it the current weights (a restarted server)."""
+        assert self.pool is not None, "add_server() before start()"
+        url = url.rstrip("/")
+        if url not in self.server_urls:
+            self.server_urls.append(url)
+        known = any(s.url == url for s in self.pool.slots)
+        self.pool.add(RolloutClient(url, api_key=self.api_key, timeout_s=self.cfg.request_timeout_s)
+                      if not known else next(s.client for s in self.pool.slots if s.url == url))
+        self.counters["server_restarts"] += 1
+        self._changed.notify()
 
     def set_version(self, version: int) -> None:
         self.gate.on_version(version)
@@ -291,6 +305,8 @@ class RolloutLoop:
             "rollout/capacity": float(self.gate.capacity()),
             "rollout/version": float(self.version),
             "rollout/healthy_servers": float(len(self.pool.healthy())),
+            "rollout/server_restarts": float(self.counters["server_restarts"]),  # dropped, then re-admitted
+            "rollout/servers_dropped": float(self.counters["servers_dropped"]),
         })
         stats.update(self._window.roll(self.pool.busy_seconds(), len(self.pool.slots)))
         return stats

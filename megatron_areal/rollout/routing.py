@@ -109,6 +109,19 @@ class ServerPool:
             self.slots.remove(slot)
             log.error("rollout server %s removed from the fleet: %s", slot.url, reason)
 
+    def add(self, client: RolloutClient) -> ServerSlot:
+        """Route to ``client``'s server (again): the weight path re-admitted it with the current
+        weights. A slot already there for its url is marked up instead."""
+        for slot in self.slots:
+            if slot.url == client.url:
+                self.mark_up(slot)
+                return slot
+        slot = ServerSlot(client=client)
+        self.slots.append(slot)
+        log.warning("rollout server %s added to the fleet (%d servers)", slot.url, len(self.slots))
+        self._notify()
+        return slot
+
     async def probe_down(self) -> list[ServerSlot]:
         """Health-check the servers marked down; return those that answer (still marked down: the
         caller decides whether they may serve again)."""

@@ -24,6 +24,10 @@ class ServerConfig:
     seed: int = 0
     threads: int = 1  # embedded server: torch threads per server process
     startup_timeout_s: float = 600.0
+    # a server that dies during the run is started again on the same port, at most this many times
+    # (each), after restart_backoff_s, doubling per restart of the same server; then it is dropped
+    max_restarts: int = 3
+    restart_backoff_s: float = 2.0
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
 
     def validate(self) -> None:
@@ -38,6 +42,8 @@ class ServerConfig:
                 "must be float32, bfloat16 or float16")
         require(1 <= self.base_port <= 65535, "base_port", "must be a TCP port")
         require(self.threads >= 1, "threads", "must be >= 1")
+        require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        require(self.restart_backoff_s >= 0, "restart_backoff_s", "must be >= 0")
 
 
 def embedded_args(cfg: ServerConfig, *, weight_version: str | None = None) -> list[str]:
