@@ -217,3 +217,33 @@ def test_weight_sync_readmits_a_restarted_server(tmp_path: Path) -> None:
         pool.close()
         for s in servers:
             s.stop()
+
+
+def test_keeper_restarts_with_backoff_then_gives_up(tmp_path: Path) -> None:
+    """What the local launcher and the Slurm node agent run: a child that keeps dying is restarted
+    ``max_restarts`` times with doubling backoff, on the same command, then given up."""
+    from megatron_areal.launch.procs import ProcessSet, ServerKeeper
+
+    procs = ProcessSet(tmp_path / "logs", grace_s=1.0)
+    try:
+        dies = procs.start("server-0", [sys.executable, "-c", "print('up', flush=True)"])
+        lives = procs.start("server-1", [sys.executable, "-c", "import time; time.sleep(60)"])
+        keeper = ServerKeeper(procs, {"server-0": dies, "server-1": lives}, {"server-0": "vm-0", "server-1": "vm-1"},
+                              max_restarts=2, backoff_s=0.2)
+        starts = []
+        deadline = time.monotonic() + 30
+        while "server-0" not in keeper.given_up:
+            assert time.monotonic() < deadline, keeper.summary()
+            before = keeper.servers["server-0"]
+            keeper.poll()
+            if keeper.servers["server-0"] is not before:
+                starts.append(time.monotonic())
+            time.sleep(0.02)
+        assert keeper.restarts["server-0"] == 2 and keeper.total_restarts == 2 and keeper.alive() == 1
+        assert len(starts) == 2 and starts[1] - starts[0] >= 0.4  # 0.2 s, then 0.4 s
+        assert (tmp_path / "logs/server-0.log").read_text().count("up\n") == 3  # one log, three runs
+        assert [c.name for c in procs.children].count("server-0") == 1  # the new process replaced the old
+        assert "vm-0 (exited with code 0 after 2 restarts)" in keeper.summary()
+        assert keeper.servers["server-1"] is lives and lives.returncode() is None
+    finally:
+        procs.stop_all()
