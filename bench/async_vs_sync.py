@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from megatron_areal.netutil import free_port
 
 MODES = {"sync": {"eta": 0, "overlap": False}, "async": {"eta": 4, "overlap": True}}
 
@@ -78,12 +79,6 @@ class RunFigures:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.loop_s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_config(args: argparse.Namespace, mode: str, run_dir: Path, seed: int) -> dict:

@@ -170,7 +170,7 @@ def main() -> None:
 
     from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
-    from megatron_areal.server.local import free_port
+    from megatron_areal.netutil import free_port
 
     root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     model = make_tiny_model(root / "model", "llama", hidden_size=args.hidden, intermediate_size=3 * args.hidden,

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_areal.netutil import free_port
+
 STEPS = 3
 ETA = 2
 BATCH = 2  # groups (prompts) per step
@@ -30,12 +32,6 @@ REQUIRED_TAGS = (
 )
 FRACTION_TAGS = ("rollout/interrupted_fraction", "train/clip_fraction", "perf/trainer_idle_fraction",
                  "perf/generator_idle_fraction", "eval/accuracy")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_free(port: int) -> bool:

@@ -115,7 +115,8 @@ def _w_close() -> None:
 def world(tmp_path_factory: pytest.TempPathFactory):
     from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
-    from megatron_areal.server.local import free_port, start_embedded
+    from megatron_areal.netutil import free_port
+    from megatron_areal.server.local import start_embedded
 
     root = tmp_path_factory.mktemp("realloc")
     model = make_tiny_model(root / "model", "llama", seed=3)
@@ -212,8 +213,8 @@ def test_disk_path_and_next_version(world: dict[str, Any]) -> None:
 
 
 def test_mismatched_bucket_is_refused_and_old_weights_stay(world: dict[str, Any]) -> None:
+    from megatron_areal.netutil import free_port
     from megatron_areal.realloc.group import WeightUpdateGroup
-    from megatron_areal.realloc.link import free_port
     from megatron_areal.rollout.client import RolloutClient, ServerError
 
     url = world["servers"][0].url

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +22,14 @@ import psutil
 import pytest
 import yaml
 
+from megatron_areal.netutil import free_port
+
 STEPS = 8
 ETA = 1
 BATCH = 2
 TRAIN_SIZE = 64  # the whole run stays inside the first epoch, so any repeat is a double use
 RUN_TIMEOUT_S = 600  # generous: CI's two cores are shared with other tests
 KILL_AFTER_STEPS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(root: Path) -> Path:

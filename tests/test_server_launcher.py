@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_areal.server.local import free_port
+from megatron_areal.netutil import free_port
 from megatron_areal.server.sglang_launcher import LaunchError, SGLangLaunch, start_server, stop_server, wait_healthy
 
 

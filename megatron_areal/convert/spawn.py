@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -20,17 +19,13 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from megatron_areal.netutil import free_port
+
 log = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
     """A function failed on a worker rank; the message carries that rank's traceback."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:

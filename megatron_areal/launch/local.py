@@ -19,6 +19,7 @@ from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
+from megatron_areal.netutil import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +31,6 @@ def port_free(addr: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port(addr: str, avoid: set[int]) -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((addr, 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
 
 
 def with_free_ports(plan: Plan) -> Plan:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import socket
 import time
 from dataclasses import dataclass
 
 import torch
 
+from megatron_areal.netutil import free_port
 from megatron_areal.realloc.buckets import Bucket
 from megatron_areal.realloc.fleet import ServerPool, wait_all
 from megatron_areal.realloc.group import WeightUpdateGroup
@@ -35,13 +35,6 @@ class Member:
     url: str
     tp: int  # ranks the server contributes to the group
     rank_offset: int
-
-
-def free_port(address: str) -> int:
-    """A port the head can host the group's store on (a fresh one per group: no stale keys)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address if address not in ("localhost",) else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class StageLink:
@@ -65,7 +58,7 @@ class StageLink:
 
     def form(self) -> dict[str, str]:
         """Rendezvous with every server; returns {url: error} of servers that failed to join."""
-        port = free_port(self.master_address)
+        port = free_port(self.master_address)  # a fresh port per group: no stale keys
         futures = {m.url: self.pool.submit(m.url, lambda c, m=m: c.init_weights_update_group(
             master_address=self.master_address, master_port=port, rank_offset=m.rank_offset,
             world_size=self.world_size, group_name=self.group_name, backend=self.backend))

@@ -1,20 +1,14 @@
 """Start embedded servers as child processes (local runs, tests, benchmarks)."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_areal.netutil import free_port
 from megatron_areal.server.sglang_launcher import start_server, stop_server
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
