@@ -84,6 +84,15 @@ def default_master_address() -> str:
 
 
 class WeightSync:
+    """The trainer's side of the weight push: every rank holds one, ``sync(version)`` is collective.
+
+    Rank 0 pauses the fleet and decides which servers are alive; each pipeline stage's head, in
+    turn, forms (or reuses) its weight-update group with the servers and streams its stage in HF
+    layout, bucket by bucket; the other ranks help with the TP gathers or wait; rank 0 resumes the
+    fleet. ``servers`` is the fleet as the weight path knows it: ``on_drop`` / ``on_join`` tell the
+    rollout controller when a server leaves or is re-admitted with the current weights.
+    """
+
     def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups,
                  servers: Sequence[str], *, config: ReallocConfig | None = None, server_tp: int = 1,
                  api_key: str | None = None, template_dir: str | Path | None = None,

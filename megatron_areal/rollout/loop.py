@@ -39,6 +39,10 @@ class RolloutError(RuntimeError):
 
 
 class RolloutLoop:
+    """The rollout controller's core, on its asyncio loop: keeps up to the staleness gate's
+    capacity of groups in flight on the fleet, scores finished samples, and fills the replay
+    buffer the trainer takes batches from. ``RolloutController`` is its thread-safe front."""
+
     def __init__(self, cfg: RolloutConfig, eta: int, server_urls: list[str], prompts: PromptSourceLike,
                  encode: Callable[[PromptLike], list[int]], decode: Callable[[list[int]], str],
                  scorer: ScorerLike, *, api_key: str | None = None, version: int = 0) -> None:

@@ -59,6 +59,9 @@ def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], defaul
 
 
 class Api:
+    """SGLang's native HTTP API over one ``Engine``: routes, the API key, body validation (a 4xx
+    naming the field), pause/continue, and the weight endpoints."""
+
     def __init__(self, engine: Engine, *, api_key: str | None, tokenizer: Any, served_model_name: str) -> None:
         self.engine, self.api_key, self.tokenizer = engine, api_key, tokenizer
         self.served_model_name = served_model_name

@@ -56,6 +56,14 @@ class EngineOptions:
 
 
 class Engine:
+    """The embedded server's inference engine: one model, a KV cache of ``max_running`` slots, and
+    one runner thread that steps the scheduler (prefill new requests, decode running ones).
+
+    The HTTP layer (``api.Api``) submits requests and gets each answer through a callback on the
+    runner thread; weight groups and updates run on their own thread (``weight_queue``), one at a
+    time in arrival order, as SGLang does.
+    """
+
     def __init__(self, model_path: str, opts: EngineOptions,
                  decode: Callable[[list[int]], str] | None = None) -> None:
         self.model_path, self.opts = str(model_path), opts

@@ -29,6 +29,9 @@ class DeadlockError(RuntimeError):
 
 
 class Engine:
+    """The discrete-event simulation of one cluster run (``Scenario``): rollout servers, trainer
+    and weight pushes as events on one clock."""
+
     def __init__(self, sc: Scenario, record_timeline: bool = False) -> None:
         self.sc = sc
         self.costs = CostModel(sc.model, sc.gpu, sc.sim)
