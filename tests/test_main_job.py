@@ -150,3 +150,16 @@ def test_config_typo_fails_before_anything_starts(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "ppo.eps_clp" in result.stderr and "eps_clip" in result.stderr, result.stderr
     assert not (tmp_path / "run").exists(), "the run directory was created although the config is wrong"
+
+
+@pytest.mark.slow
+def test_launcher_terminal_shows_each_step_and_the_accuracy(run: tuple) -> None:
+    """The launcher's own output (not the trainer's log) has a progress line per step and ends
+    with the held-out accuracy before -> after and the run directory."""
+    _, run_dir, result = run
+    out = result.stdout + result.stderr
+    for step in range(1, STEPS + 1):
+        assert f"step {step}/{STEPS} | reward " in out, f"no progress line for step {step}:\n{out[-3000:]}"
+    evals = {e["label"]: e["accuracy"] for e in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
+    expected = f"held-out accuracy {100 * evals['before']:.1f}% -> {100 * evals['after']:.1f}%"
+    assert expected in out and f"run directory: {run_dir}" in out, out[-3000:]

@@ -17,6 +17,7 @@ from megatron_areal.launch.control import clear_requests
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import ProcessSet, ServerKeeper, Stopped, supervised
+from megatron_areal.launch.progress import RunProgress
 from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
 from megatron_areal.netutil import free_port
@@ -101,7 +102,10 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
     keeper = ServerKeeper(procs, {c.name: c for c in procs.children if c.name in servers},
                           {name: slot.id for name, slot in servers.items()}, cfg.server.max_restarts,
                           cfg.server.restart_backoff_s)
+    progress = RunProgress(cfg.train.run_dir, cfg.train.steps)
     while trainer.returncode() is None:
+        for line in progress.poll():
+            logger.info("%s", line)
         keeper.poll()  # a dead server is restarted on its port; the trainer re-admits it at a sync
         if keeper.alive() == 0:
             logger.error("every rollout server died and none could be restarted (%s); stopping the run",
@@ -111,5 +115,9 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
     if keeper.total_restarts or keeper.given_up:
         logger.warning("%s", keeper.summary())
     rc = trainer.returncode() or 0
+    for line in progress.poll():
+        logger.info("%s", line)
     (logger.info if rc == 0 else logger.error)("trainer exited with code %d (log %s)", rc, trainer.log_path)
+    if rc == 0:
+        logger.info("%s", progress.summary())
     return rc
