@@ -51,6 +51,7 @@ from pathlib import Path
 import yaml
 
 from megatron_areal.netutil import free_port
+from megatron_areal.rundir import RunDir
 
 MODES = {"sync": {"eta": 0, "overlap": False}, "async": {"eta": 4, "overlap": True}}
 
@@ -110,15 +111,15 @@ def run(args: argparse.Namespace, mode: str, root: Path, seed: int) -> RunFigure
                             capture_output=True, text=True, timeout=args.timeout)
     process_s = time.monotonic() - t0
     if result.returncode != 0:
-        raise SystemExit(f"{mode} run failed ({result.returncode}); logs in {run_dir / 'logs'}\n"
+        raise SystemExit(f"{mode} run failed ({result.returncode}); logs in {RunDir(run_dir).logs}\n"
                          f"{result.stderr[-2000:]}")
     return figures(mode, run_dir, process_s)
 
 
 def figures(mode: str, run_dir: Path, process_s: float) -> RunFigures:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
     steps = [r for r in rows if "perf/step_time_s" in r]
-    ledger = [json.loads(line) for line in (run_dir / "trained.jsonl").read_text().splitlines()]
+    ledger = [json.loads(line) for line in RunDir(run_dir).trained.read_text().splitlines()]
     loop_s = sum(r["perf/step_time_s"] for r in steps)
 
     def weighted(key: str) -> float:  # per-step figures weighted by the step's duration

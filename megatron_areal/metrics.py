@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-logger = logging.getLogger(__name__)
+from megatron_areal.rundir import RunDir
 
-EVAL_FILE = "eval.jsonl"
+logger = logging.getLogger(__name__)
 
 
 def truncate_after(path: str | Path, step: int) -> None:
@@ -47,7 +47,7 @@ def truncate_after(path: str | Path, step: int) -> None:
 
 def append_eval(run_dir: str | Path, record: dict) -> None:
     """Append one evaluation (``{"step", "label", "accuracy", "n"}``) to ``RUN_DIR/eval.jsonl``."""
-    with open(Path(run_dir) / EVAL_FILE, "a") as f:
+    with open(RunDir(run_dir).evals, "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -56,7 +56,7 @@ def append_eval(run_dir: str | Path, record: dict) -> None:
 def read_eval(run_dir: str | Path, label: str) -> float | None:
     """The accuracy of the latest evaluation with this label in ``RUN_DIR/eval.jsonl`` (a resumed
     run reads back its "before" figure), or None."""
-    path = Path(run_dir) / EVAL_FILE
+    path = RunDir(run_dir).evals
     if not path.is_file():
         return None
     found = None
@@ -84,14 +84,15 @@ class MetricsWriter:
                  progress: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        paths = RunDir(self.run_dir)
         keep_through = start_step if start_step > 0 else -1
-        truncate_after(self.run_dir / "metrics.jsonl", keep_through)
-        truncate_after(self.run_dir / EVAL_FILE, keep_through)
+        truncate_after(paths.metrics, keep_through)
+        truncate_after(paths.evals, keep_through)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=keep_through + 1)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+            self._tb = SummaryWriter(log_dir=str(paths.tensorboard), purge_step=keep_through + 1)
+        self._jsonl = open(paths.metrics, "a")
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                          dynamic_ncols=True, disable=not progress)
 

@@ -23,6 +23,7 @@ from megatron_areal.config import Config
 from megatron_areal.launch.control import StepControl
 from megatron_areal.ledger import TrainedLedger
 from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def _rollout_side(cfg: Config, hf_dir: Path, server_urls: list[str], version: in
         controller.load_state_dict(rollout_state)
     metrics = MetricsWriter(cfg.train.run_dir, total_steps=cfg.train.steps, start_step=start_step,
                             tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
-    ledger = TrainedLedger(Path(cfg.train.run_dir) / "trained.jsonl", resume_step=start_step)
+    ledger = TrainedLedger(RunDir.of(cfg).trained, resume_step=start_step)
     return RolloutSide(controller, rewards, tokenizer, eval_prompts, metrics, ledger)
 
 
@@ -150,8 +151,8 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     if cfg.ppo.kl_coef > 0:
         actor.set_reference()
 
-    run_dir = Path(cfg.train.run_dir)
-    checkpoints = Checkpointer(cfg.checkpoint.root(run_dir), arch, groups, keep=cfg.checkpoint.keep, hf_dir=hf_dir)
+    run_dir = RunDir.of(cfg)
+    checkpoints = Checkpointer(run_dir.checkpoints, arch, groups, keep=cfg.checkpoint.keep, hf_dir=hf_dir)
     step, extra = 0, {}
     latest = checkpoints.latest() if cfg.checkpoint.resume else None
     if latest is not None:
@@ -182,7 +183,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
                          extra={"version": version, "rollout": payload[0]})
         saved_at["step"] = at
 
-    control = StepControl(run_dir, rank0, agree=_agree)
+    control = StepControl(run_dir.root, rank0, agree=_agree)
     stopped_on_request = False
     try:
         while step < cfg.train.steps:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from megatron_areal.configbase import require
 
@@ -12,12 +11,8 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 disables
     keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the newest checkpoint in the checkpoint directory
-    dir: str = ""  # where step_<N> directories go; empty: <train.run_dir>/checkpoints
+    dir: str = ""  # where step_<N> directories go; empty: RunDir.checkpoints (rundir.py)
 
     def validate(self) -> None:
         require(self.every >= 0, "every", "must be >= 0")
         require(self.keep >= 1, "keep", "must be >= 1")
-
-    def root(self, run_dir: str | Path) -> Path:
-        """The checkpoint directory of a run."""
-        return Path(self.dir) if self.dir else Path(run_dir) / "checkpoints"

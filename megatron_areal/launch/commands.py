@@ -17,11 +17,6 @@ from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.server.sglang_launcher import SGLangLaunch
 
 
-def run_paths(run_dir: str | Path) -> dict[str, Path]:
-    root = Path(run_dir).resolve()
-    return {"root": root, "servers": root / "servers", "logs": root / "logs", "plan": root / "plan.json"}
-
-
 def resolved_model_path(cfg: Config) -> str:
     """``model.path`` as the absolute folder every role loads, resolved once by the launcher.
 

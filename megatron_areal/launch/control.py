@@ -25,13 +25,15 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_areal.rundir import RunDir
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT, SAVED, HOLD, HELD = "checkpoint", "saved", "hold", "held"
 
 
 def control_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "control"
+    return RunDir(run_dir).control
 
 
 def _write(path: Path, info: dict) -> None:

@@ -9,10 +9,9 @@ import logging
 import socket
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from megatron_areal.config import Config
-from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
+from megatron_areal.launch.commands import role_env, server_command, trainer_command
 from megatron_areal.launch.control import clear_requests
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.plan import Node, Plan, make_plan
@@ -21,6 +20,7 @@ from megatron_areal.launch.progress import RunProgress
 from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
 from megatron_areal.netutil import free_port
+from megatron_areal.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -63,29 +63,29 @@ def local_plan(cfg: Config) -> Plan:
 
 def run_local(cfg: Config, config_path: str, overrides: list[str], model_dir: str) -> int:
     """Run the job on this machine; returns the trainer's exit code (non-zero on any failure)."""
-    paths = run_paths(cfg.train.run_dir)
-    clear_registrations(paths["servers"])
-    clear_requests(paths["root"])
+    run = RunDir.of(cfg).resolved()
+    clear_registrations(run.servers)
+    clear_requests(run.root)
     apply_env_api_key(cfg)
     overrides = public_overrides(overrides)
     plan = local_plan(cfg)
-    plan.save(paths["plan"])
+    plan.save(run.plan)
     logger.info("%s", describe(plan, "this machine"))
     try:
-        with supervised(ProcessSet(paths["logs"], cfg.cluster.stop_grace_s)) as procs:
-            return _supervise(plan, cfg, procs, paths, overrides, config_path, model_dir)
+        with supervised(ProcessSet(run.logs, cfg.cluster.stop_grace_s)) as procs:
+            return _supervise(plan, cfg, procs, run, overrides, config_path, model_dir)
     except Stopped as e:
         logger.warning("%s received: stopped every process of the run", e)
         return e.code
 
 
-def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path], overrides: list[str],
+def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, overrides: list[str],
                config_path: str, model_dir: str) -> int:
     servers = {}
     for i, slot in enumerate(plan.servers):
         name = f"server-{i}"
         servers[name] = slot
-        procs.start(name, server_command(slot, cfg, model_dir, paths["servers"]),
+        procs.start(name, server_command(slot, cfg, model_dir, run.servers),
                     env_with_api_key(role_env(slot.gpus, False, threads=cfg.server.threads), cfg.server.api_key))
 
     def dead_server() -> str | None:
@@ -94,9 +94,9 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
                     f"last lines of {c.log_path}:\n{c.log_tail()}")
         return None
 
-    wait_for_servers(paths["servers"], list(plan.servers), cfg.server.startup_timeout_s, dead_server)
+    wait_for_servers(run.servers, list(plan.servers), cfg.server.startup_timeout_s, dead_server)
     t = plan.trainer
-    cmd = trainer_command(plan, 0, config_path, overrides, paths["plan"])
+    cmd = trainer_command(plan, 0, config_path, overrides, run.plan)
     env = role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port), threads=cfg.cluster.cpu_threads)
     trainer = procs.start("trainer", cmd, env_with_api_key(env, cfg.server.api_key))
     keeper = ServerKeeper(procs, {c.name: c for c in procs.children if c.name in servers},

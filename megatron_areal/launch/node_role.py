@@ -22,11 +22,12 @@ from pathlib import Path
 from types import FrameType
 
 from megatron_areal.config import Config, load_config
-from megatron_areal.launch.commands import role_env, run_paths, server_command, trainer_command
+from megatron_areal.launch.commands import role_env, server_command, trainer_command
 from megatron_areal.launch.control import request_checkpoint
 from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.launch.procs import Child, ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key
+from megatron_areal.rundir import RunDir
 from megatron_areal.server.cli import write_registration
 from megatron_areal.server.sglang_launcher import LaunchError as SGLangLaunchError
 from megatron_areal.server.sglang_launcher import wait_healthy
@@ -44,7 +45,7 @@ def this_node(plan: Plan) -> str:
 
 
 def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, procs: ProcessSet) -> int:
-    reg = run_paths(cfg.train.run_dir)["servers"]
+    reg = RunDir.of(cfg).resolved().servers
     slots = plan.servers_on(node)
     if not slots:
         raise RuntimeError(f"the plan puts no rollout server on node {node}")
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     node = this_node(plan)
     cfg = apply_env_api_key(load_config(args.config, args.overrides))
     _checkpoint_on_usr1(cfg.train.run_dir, node)
-    logs = run_paths(cfg.train.run_dir)["logs"]
+    logs = RunDir.of(cfg).resolved().logs
     run = run_rollout if args.role == "rollout" else run_trainer_node
     try:
         with supervised(ProcessSet(logs, cfg.cluster.stop_grace_s)) as procs:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_areal.metrics import read_eval
+from megatron_areal.rundir import RunDir
 
 STEP_KEY = "perf/step_time_s"  # present in a trained step's record, absent from evaluation records
 
@@ -24,7 +25,7 @@ class RunProgress:
 
     def poll(self) -> list[str]:
         """Lines for the steps logged since the last call (complete lines only)."""
-        path = self.run_dir / "metrics.jsonl"
+        path = RunDir(self.run_dir).metrics
         if not path.is_file():
             return []
         with open(path, "rb") as f:

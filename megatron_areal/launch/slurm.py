@@ -22,13 +22,13 @@ from types import FrameType
 
 from megatron_areal.config import Config
 from megatron_areal.launch.checks import check_plan
-from megatron_areal.launch.commands import run_paths
 from megatron_areal.launch.control import clear_requests, request_checkpoint, saved_step
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import Child, ProcessSet, Stopped, supervised
 from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
+from megatron_areal.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -169,17 +169,17 @@ def run_slurm(cfg: Config, config_path: str, overrides: list[str], eta_explicit:
     if plan.errors:
         logger.error("the plan fails its checks; nothing was started")
         return 2
-    paths = run_paths(cfg.train.run_dir)
-    clear_registrations(paths["servers"])
-    clear_requests(paths["root"])
-    plan.save(paths["plan"])
+    run = RunDir.of(cfg).resolved()
+    clear_registrations(run.servers)
+    clear_requests(run.root)
+    plan.save(run.plan)
     apply_env_api_key(cfg, env)
     env = env_with_api_key(env, cfg.server.api_key)  # srun hands the environment to every node
-    usr1 = RequeueOnUsr1(paths["root"], cfg.cluster.requeue_grace_s, env.get("SLURM_JOB_ID"))
+    usr1 = RequeueOnUsr1(run.root, cfg.cluster.requeue_grace_s, env.get("SLURM_JOB_ID"))
     usr1.install()
     try:
-        with supervised(ProcessSet(paths["logs"], cfg.cluster.stop_grace_s)) as procs:
-            rc = _run_steps(plan, cfg, procs, paths, config_path, public_overrides(overrides), env, usr1)
+        with supervised(ProcessSet(run.logs, cfg.cluster.stop_grace_s)) as procs:
+            rc = _run_steps(plan, cfg, procs, run, config_path, public_overrides(overrides), env, usr1)
     except Stopped as e:
         logger.warning("%s received: stopped both job steps", e)
         return e.code
@@ -188,7 +188,7 @@ def run_slurm(cfg: Config, config_path: str, overrides: list[str], eta_explicit:
             raise
         logger.error("%s", e)
         rc = None
-    return _requeue_if_asked(usr1, rc, paths["root"])
+    return _requeue_if_asked(usr1, rc, run.root)
 
 
 def _requeue_if_asked(usr1: RequeueOnUsr1, rc: int | None, run_dir: Path) -> int:
@@ -208,11 +208,11 @@ def _requeue_if_asked(usr1: RequeueOnUsr1, rc: int | None, run_dir: Path) -> int
     return 0
 
 
-def _run_steps(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path], config_path: str,
+def _run_steps(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, config_path: str,
                overrides: list[str], env: dict[str, str], usr1: RequeueOnUsr1) -> int | None:
     rollout_nodes = plan.nodes_with_role("rollout")
     rollout = procs.start("srun-rollout", srun_command(
-        plan, "rollout", rollout_nodes, paths["logs"], _role_entry("rollout", paths["plan"], config_path, overrides),
+        plan, "rollout", rollout_nodes, run.logs, _role_entry("rollout", run.plan, config_path, overrides),
         env), env)
 
     def rollout_died() -> str | None:
@@ -221,14 +221,14 @@ def _run_steps(plan: Plan, cfg: Config, procs: ProcessSet, paths: dict[str, Path
         if rollout.returncode() is None:
             return None
         return (f"the rollout step exited with code {rollout.returncode()} before all servers registered; "
-                f"see {paths['logs']}/rollout-<node>.log and server-<id>.log. srun said:\n{rollout.log_tail()}")
+                f"see {run.logs}/rollout-<node>.log and server-<id>.log. srun said:\n{rollout.log_tail()}")
 
-    wait_for_servers(paths["servers"], list(plan.servers), cfg.server.startup_timeout_s, rollout_died)
+    wait_for_servers(run.servers, list(plan.servers), cfg.server.startup_timeout_s, rollout_died)
     trainer = procs.start("srun-trainer", srun_command(
-        plan, "trainer", list(plan.trainer.nodes), paths["logs"],
-        _role_entry("trainer", paths["plan"], config_path, overrides), env), env)
+        plan, "trainer", list(plan.trainer.nodes), run.logs,
+        _role_entry("trainer", run.plan, config_path, overrides), env), env)
     first = _wait_unless_overdue(procs, usr1)
-    return None if first is None else _outcome(first, trainer, paths["logs"])
+    return None if first is None else _outcome(first, trainer, run.logs)
 
 
 def _wait_unless_overdue(procs: ProcessSet, usr1: RequeueOnUsr1, poll_s: float = 0.2) -> Child | None:

@@ -14,11 +14,11 @@ import sys
 from types import FrameType
 
 from megatron_areal.config import load_config
-from megatron_areal.launch.commands import run_paths
 from megatron_areal.launch.control import request_checkpoint
 from megatron_areal.launch.plan import Plan
 from megatron_areal.launch.registry import wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key
+from megatron_areal.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _checkpoint_on_usr1(run_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron_areal.launch.trainer_main")
-    parser.add_argument("--plan", required=True, help="RUN_DIR/plan.json written by the launcher")
+    parser.add_argument("--plan", required=True, help="the plan the launcher wrote (RunDir.plan)")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = apply_env_api_key(load_config(args.config, args.overrides))
     _checkpoint_on_usr1(cfg.train.run_dir)
     plan = Plan.load(args.plan)
-    urls = wait_for_servers(run_paths(cfg.train.run_dir)["servers"], list(plan.servers),
+    urls = wait_for_servers(RunDir.of(cfg).resolved().servers, list(plan.servers),
                             cfg.server.startup_timeout_s)
     from megatron_areal.trainer import run_trainer  # heavy (Megatron); imported once the servers are up
 

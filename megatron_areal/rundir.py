@@ -1,0 +1,82 @@
+"""The run directory (``train.run_dir``): the one place that names every file a run writes.
+
+Layout, with the module that writes each entry::
+
+    RUN_DIR/
+      plan.json          RunDir.plan         the launcher's plan (launch/plan.py); every role reads it
+      servers/           RunDir.servers      one registration per healthy rollout server (launch/registry.py)
+      logs/              RunDir.logs         <process>.log per child (launch/procs.py); under Slurm also
+                                             {rollout,trainer}-<node>.log of the node agents
+      control/           RunDir.control      requests to the trainer: checkpoint, hold, and its answers
+                                             saved, held (launch/control.py)
+      checkpoints/       RunDir.checkpoints  step_<N>/ (convert/checkpoint.py); ``checkpoint.dir`` moves it
+      metrics.jsonl      RunDir.metrics      one line of scalars per step (metrics.py)
+      eval.jsonl         RunDir.evals        held-out accuracy per evaluation (metrics.py)
+      trained.jsonl      RunDir.trained      which prompts each step trained, with staleness (ledger.py)
+      tensorboard/       RunDir.tensorboard  TensorBoard events of the same scalars (metrics.py)
+
+The Slurm scripts (``slurm/*.sh``) name the same paths in their comments only.
+tests/test_rundir.py checks that no other module of the package spells these names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run. ``checkpoint_dir`` is ``checkpoint.dir`` (empty: ``RUN_DIR/checkpoints``).
+    Nothing is created here: each writer makes what it writes."""
+
+    root: Path
+    checkpoint_dir: str | Path = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @classmethod
+    def of(cls, cfg: Any) -> RunDir:
+        """The run directory of a config (``train.run_dir``, ``checkpoint.dir``)."""
+        return cls(cfg.train.run_dir, cfg.checkpoint.dir)
+
+    def resolved(self) -> RunDir:
+        """The same run with an absolute root, for paths handed to other processes."""
+        return RunDir(self.root.resolve(), self.checkpoint_dir)
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def servers(self) -> Path:
+        return self.root / "servers"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def evals(self) -> Path:
+        return self.root / "eval.jsonl"
+
+    @property
+    def trained(self) -> Path:
+        return self.root / "trained.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
