@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_areal.actor.engine import run_microbatches
 from megatron_areal.actor.microbatch import PackedMicroBatch, pack
-from megatron_areal.actor.model import DTYPES, build_model, check_layout
+from megatron_areal.actor.model import build_model, check_layout, resolve_dtype
 from megatron_areal.actor.optim import build_train_state, current_lr
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.actor.ppo_batch import (
@@ -69,9 +69,7 @@ class Actor:
 
     @staticmethod
     def _dtype(name: str, groups: ParallelGroups) -> torch.dtype:
-        if name == "auto":
-            return torch.bfloat16 if groups.device.type == "cuda" else torch.float32
-        return DTYPES[name]
+        return resolve_dtype(name, groups.device)
 
     # ---------------------------------------------------------------- packing
     def _plan(self, sequences: Sequence[Sequence[int]], min_microbatches: int,
