@@ -8,12 +8,23 @@ Megatron's schedule, then one optimizer step.
   single row of concatenated sequences with per-sequence causal attention and positions;
 - padded: ``budget // max_len`` sequences per micro-batch in arrival order, right-padded to the
   longest sequence of the micro-batch (the usual fixed-batch-size baseline; that batch size is
-  the largest whose worst case fits the same token budget, so both have the same peak memory).
+  the largest whose worst case fits the same token budget, so both have the same peak memory);
+- sorted: the same padded batches after sorting the sequences by length (the better padded
+  baseline: neighbours have similar lengths, so little padding).
+
+Then the reference users compare against: one PPO step of our ``Actor`` on SmolLM2-135M against a
+plain transformers loop on the same sequences (``AutoModelForCausalLM``, right-padded micro-batches
+under the same token budget, the same ``decoupled_ppo_loss``, backward, gradient clipping,
+``torch.optim.AdamW``), same compute dtype and threads, repeats interleaved so background load hits
+both alike. Before timing, our logprobs are checked against transformers' on the same tokens; a
+mismatch beyond the dtype's tolerance exits non-zero without a RESULT. The last line is
+``RESULT train_vs_hf <ours tokens/s / transformers tokens/s>``.
 
 Token utilisation is real tokens / token slots computed (packed: micro-batches x budget; padded:
 micro-batches x batch x longest). Step times are medians over interleaved repeats.
 
     python bench/train_step.py [--sequences 320] [--budget 2048] [--max-len 512] [--repeats 3]
+                               [--hf-sequences 48] [--hf-budget 1024] [--dtype bfloat16] [--threads 2]
 """
 from __future__ import annotations
 
@@ -22,6 +33,8 @@ import functools
 import os
 import random
 import statistics
+import sys
+import threading
 import time
 
 import torch
@@ -99,15 +112,37 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-sequences", type=int, default=48, help="sequences of the SmolLM2 step (main job: 48)")
+    ap.add_argument("--hf-budget", type=int, default=1024, help="tokens per micro-batch (smollm2_arith.yaml)")
+    ap.add_argument("--hf-repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-packing", action="store_true", help="only the transformers comparison")
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    torch.set_num_threads(args.threads)
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
 
+    from transformers import AutoModelForCausalLM
+
+    from megatron_areal.actor.model import resolve_dtype
+    from megatron_areal.actor.parallel import init_parallel
+    from megatron_areal.assets import smollm2_path
+
+    # Load the reference before init_parallel: transformers loaded after the CPU patch of
+    # megatron-core (actor/cpu_patch.py) gave NaN logits.
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=resolve_dtype(args.dtype, torch.device("cpu")))
+    groups = init_parallel(1, 1, seed=args.seed, backend="gloo")
+    if not args.skip_packing:
+        packing_bench(args, groups)
+    sys.exit(versus_transformers(args, groups, hf))
+
+
+def packing_bench(args, groups) -> None:
     from megatron_areal.actor.config import OptimizerConfig
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.optim import build_train_state
-    from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.convert.arch import ModelArch
 
     vocab = 2048
@@ -115,7 +150,6 @@ def main() -> None:
                      num_layers=args.layers, num_heads=8, num_kv_heads=2, head_dim=args.hidden // 8,
                      max_position_embeddings=args.max_len, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,
                      qkv_bias=True, qk_norm=False, tie_word_embeddings=True)
-    groups = init_parallel(1, 1, seed=args.seed, backend="gloo")
     state = build_train_state(build_model(arch, seed=args.seed), OptimizerConfig(lr=1e-5), groups, total_steps=100)
     rng = random.Random(args.seed)
     lengths = long_tail(args.sequences, args.max_len, args.seed)
@@ -127,7 +161,9 @@ def main() -> None:
           f"model hidden {args.hidden} x {args.layers} layers")
 
     variants = {"packed": lambda: packed_step(state.model, groups, seqs, args.budget, vocab),
-                "padded": lambda: padded_step(state.model, groups, seqs, batch_size, vocab)}
+                "padded": lambda: padded_step(state.model, groups, seqs, batch_size, vocab),
+                "sorted": lambda: padded_step(state.model, groups, sorted(seqs, key=len, reverse=True), batch_size,
+                                              vocab)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     slots: dict[str, int] = {}
     for rep in range(args.repeats + 1):  # the first round warms up allocators and caches
@@ -144,8 +180,183 @@ def main() -> None:
         print(f"{name:7s} token utilisation {real / slots[name]:6.1%}  step time median "
               f"{statistics.median(times[name]):7.3f} s  ({', '.join(f'{t:.3f}' for t in times[name])})")
     ratio = statistics.median(times["padded"]) / statistics.median(times["packed"])
-    print(f"padded/packed step-time ratio {ratio:.2f}x")
+    ratio_sorted = statistics.median(times["sorted"]) / statistics.median(times["packed"])
+    print(f"padded/packed step-time ratio {ratio:.2f}x; length-sorted padded/packed {ratio_sorted:.2f}x")
     print(f"RESULT packing_speedup {ratio:.3f}")
+    print(f"RESULT packing_speedup_vs_sorted {ratio_sorted:.3f}")
+
+
+class PeakRSS:
+    """Peak resident memory of this process while a block runs (sampled every 5 ms)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc, self.peak, self.running = psutil.Process(), 0, False
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.proc.memory_info().rss
+        self.peak, self.running = self.base, True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.thread.join()
+
+
+def rl_batch(n: int, seed: int):
+    """Main-job-shaped trajectories: prompts of 40-60 tokens, answers of 8-48, groups of 8."""
+    from megatron_areal.rollout.trajectory import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(1000, 40000) for _ in range(rng.randint(40, 60))]
+        output = [rng.randrange(1000, 40000) for _ in range(rng.randint(8, 48))]
+        out.append(Trajectory(prompt_ids=prompt, output_ids=output, group_id=i // 8,
+                              output_logprobs=[-1.0 - rng.random() for _ in output], reward=float(rng.random() < 0.5)))
+    return out
+
+
+def hf_microbatches(trajectories, budget: int) -> list[list[int]]:
+    """Arrival-order micro-batches whose padded size (rows x longest) stays within ``budget``."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i, t in enumerate(trajectories):
+        n = len(t.input_ids)
+        width = max([n] + [len(trajectories[j].input_ids) for j in current])
+        if current and width * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current] if current else batches
+
+
+def hf_logprobs(model, trajectories, ids: list[int]):
+    """Per-position logprobs [rows, width - 1] (fp32) and the padded inputs of micro-batch ``ids``."""
+    seqs = [trajectories[i].input_ids for i in ids]
+    width = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention = torch.zeros(len(seqs), width, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        tokens[r, :len(s)] = torch.tensor(s)
+        attention[r, :len(s)] = 1
+    logits = model(input_ids=tokens, attention_mask=attention).logits[:, :-1].float()
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return lp, seqs, width
+
+
+def hf_step(model, optimizer, trajectories, budget: int, advantages: list[float]) -> None:
+    """One PPO step the way a plain transformers loop does it (single mini-batch, pi_prox = pi_theta)."""
+    from megatron_areal.algorithm import decoupled_ppo_loss
+
+    n_loss = float(sum(sum(t.loss_mask) for t in trajectories))
+    optimizer.zero_grad(set_to_none=True)
+    for ids in hf_microbatches(trajectories, budget):
+        lp, seqs, width = hf_logprobs(model, trajectories, ids)
+        mask = torch.zeros(len(ids), width - 1)
+        behaviour = torch.zeros(len(ids), width - 1)
+        adv = torch.zeros(len(ids), width - 1)
+        for r, i in enumerate(ids):
+            t = trajectories[i]
+            n = len(t.input_ids) - 1
+            mask[r, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+            behaviour[r, :n] = torch.tensor(t.behavior_logprobs, dtype=torch.float32)
+            adv[r, :n] = mask[r, :n] * advantages[i]
+        loss, _ = decoupled_ppo_loss(lp, lp.detach(), behaviour, adv, mask > 0, eps_clip=0.2,
+                                     behav_imp_weight_cap=5.0, loss_scale_tokens=n_loss)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def state_mb(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def versus_transformers(args, groups, hf) -> int:
+    """Our Actor against plain transformers (``hf``) on SmolLM2-135M; returns the exit status."""
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.ppo_batch import sequence_advantages
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.assets import smollm2_path
+    from megatron_areal.convert.arch import load_arch
+    from megatron_areal.convert.weights import load_hf_weights
+
+    hf_dir = smollm2_path()
+    arch = load_arch(hf_dir)
+    actor = Actor(arch, ModelConfig(dtype=args.dtype, max_seq_len=256),
+                  ParallelConfig(max_tokens_per_mb=args.hf_budget), OptimizerConfig(lr=1e-5, clip_grad=1.0),
+                  PPOConfig(eps_clip=0.2, behav_imp_weight_cap=5.0, n_minibatches=1, advantage="grpo"), groups,
+                  seed=args.seed, total_steps=100)
+    load_hf_weights(actor.model, hf_dir, arch, 0, 1, optimizer=actor.optimizer)
+    dtype = actor.dtype  # what our actor computes in (bf16 falls back to fp32 on CPUs without bf16 units)
+    if hf.dtype != dtype:
+        raise SystemExit(f"reference dtype {hf.dtype} != ours {dtype}")
+    hf.train()
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    print(f"SmolLM2-135M: model.dtype={args.dtype} -> both sides compute in {str(dtype).replace('torch.', '')}; "
+          f"{torch.get_num_threads()} threads")
+
+    # correctness: our logprobs vs transformers' on the same tokens, before any update
+    check = rl_batch(min(args.hf_sequences, 16), args.seed + 1)
+    ours = actor.compute_logprobs([t.input_ids for t in check])
+    with torch.no_grad():
+        hf.eval()
+        lp, _, _ = hf_logprobs(hf, check, list(range(len(check))))
+        hf.train()
+    diffs = torch.cat([(o - lp[r, :len(o)]).abs() for r, o in enumerate(ours)])
+    tol_max, tol_mean = (0.05, 0.005) if dtype == torch.float32 else (0.5, 0.05)
+    print(f"logprobs ours vs transformers: max |diff| {diffs.max():.2e}, mean {diffs.mean():.2e} "
+          f"(tolerance {tol_max:g} / {tol_mean:g})")
+    if not (diffs.max() <= tol_max and diffs.mean() <= tol_mean):
+        print("FAIL: our logprobs differ from transformers' beyond the tolerance; no RESULT", file=sys.stderr)
+        return 1
+
+    batch = rl_batch(args.hf_sequences, args.seed)
+    tokens = sum(len(t.input_ids) for t in batch)
+    advantages = sequence_advantages(batch, "grpo")
+    print(f"{len(batch)} sequences, {tokens} tokens (loss tokens {sum(len(t.output_ids) for t in batch)}), "
+          f"micro-batch budget {args.hf_budget}: ours {len(actor._plan([t.input_ids for t in batch], 1))} packed, "
+          f"transformers {len(hf_microbatches(batch, args.hf_budget))} padded")
+    sides = {"ours": lambda: actor.ppo_update(batch),
+             "transformers": lambda: hf_step(hf, hf_opt, batch, args.hf_budget, advantages)}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    peaks: dict[str, int] = dict.fromkeys(sides, 0)
+    for rep in range(args.hf_repeats + 1):  # round 0 warms up (and creates the optimizer states)
+        order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+        for name in order:
+            with PeakRSS() as mem:
+                start = time.perf_counter()
+                sides[name]()
+                elapsed = time.perf_counter() - start
+            if rep:
+                times[name].append(elapsed)
+            peaks[name] = max(peaks[name], mem.peak - mem.base)
+    ours_state = state_mb([p for c in actor.model for p in c.parameters()]) + state_mb(
+        [b.grad_data for c in actor.model for b in c.buffers]) + state_mb(
+        [v for s in getattr(actor.optimizer, "optimizer", actor.optimizer).state.values() for v in s.values()
+         if torch.is_tensor(v) and v.dim()])
+    hf_state = state_mb(list(hf.parameters()) + [p.grad for p in hf.parameters() if p.grad is not None]) + state_mb(
+        [v for s in hf_opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()])
+    rate = {k: tokens / statistics.median(v) for k, v in times.items()}
+    for name in sides:
+        state = ours_state if name == "ours" else hf_state
+        runs = ", ".join(f"{t:.2f}" for t in times[name])
+        print(f"{name:12s} step median {statistics.median(times[name]):7.2f} s ({runs})  {rate[name]:7.1f} tokens/s"
+              f"  step peak RSS +{peaks[name] / 2**20:.0f} MB over the step's start, "
+              f"weights+grads+optimizer state {state:.0f} MB")
+    ratio = rate["ours"] / rate["transformers"]
+    print(f"RESULT train_vs_hf {ratio:.3f}")
+    return 0
 
 
 if __name__ == "__main__":
