@@ -141,7 +141,9 @@ def wait_held(job: str, run_dir: Path, step: int, timeout_s: float = 180) -> Non
 def release_and_finish(job: str, run_dir: Path, hold: Path) -> None:
     """The job is back in the queue: lift the hold, start it now (not after the requeue delay), let it end."""
     hold.unlink()
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    # Not "now": slurmd revokes the requeued attempt's credential with one-second resolution, and a
+    # new attempt launched within that second is killed ("Job credential revoked", FAILED 1:0).
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], check=True)
     state = wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 240)
     assert (state, job_field(job, "ExitCode"), job_field(job, "Restarts")) == ("COMPLETED", "0:0", "1"), \
         logs_of(run_dir)
