@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.config import Config
-from megatron_areal.launch.control import StepControl
+from megatron_areal.launch.control import StepControl, ask_to_resume
 from megatron_areal.ledger import TrainedLedger
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.rundir import RunDir
@@ -139,7 +139,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     from megatron_areal.convert.arch import load_arch
     from megatron_areal.convert.checkpoint import Checkpointer
     from megatron_areal.convert.weights import load_hf_weights
-    from megatron_areal.realloc.sync import WeightSync, WeightSyncError
+    from megatron_areal.realloc.sync import TransferLost, WeightSync, WeightSyncError
 
     groups = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, backend=cfg.parallel.backend)
     rank0 = dist.get_rank() == 0
@@ -196,8 +196,10 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
                 side.controller.pause_generation(pause_servers=False)
             try:
                 sync = weights.sync(version + 1)
-            except WeightSyncError:
+            except WeightSyncError as e:
                 save_checkpoint(step + 1, version + 1)  # the trained step is sound; only the push failed
+                if rank0 and isinstance(e, TransferLost):
+                    ask_to_resume(run_dir.root, step + 1, str(e))  # the Slurm batch step requeues the job
                 raise
             version, step = version + 1, step + 1
             if rank0:

@@ -297,3 +297,21 @@ def test_api_key_overrides_never_reach_children() -> None:
     assert apply_env_api_key(cfg, {API_KEY_ENV: "sk-env"}).server.api_key == "sk-env"
     assert env_with_api_key({API_KEY_ENV: "old", "A": "1"}, None) == {"A": "1"}
     assert env_with_api_key({}, "k") == {API_KEY_ENV: "k"}
+
+
+def test_trainer_that_asks_to_resume_is_requeued(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A weight push lost over NCCL: the trainer saved its step and wrote ``control/resume``; the Slurm
+    batch step requeues the job (no USR1 involved), and a new attempt starts with the request cleared."""
+    import logging
+
+    from megatron_areal.launch.control import ask_to_resume, clear_requests, resume_asked
+    from megatron_areal.launch.slurm import RequeueOnUsr1, _requeue_if_asked
+
+    usr1 = RequeueOnUsr1(tmp_path, grace_s=10, job=None)
+    with caplog.at_level(logging.WARNING):
+        assert _requeue_if_asked(usr1, 1, tmp_path) == 1  # a plain failure is not requeued
+        ask_to_resume(tmp_path, 7, "weights v7: transfer over NCCL failed")
+        assert _requeue_if_asked(usr1, 1, tmp_path) == 0
+    assert "requeueing job None: the trainer saved step 7 and stopped: weights v7" in caplog.text
+    clear_requests(tmp_path)
+    assert resume_asked(tmp_path) is None

@@ -12,6 +12,9 @@ file in the run directory reaches every trainer wherever it runs, so that is how
   (``{"step": N}``) and still answers a ``checkpoint`` request. Operators use it to inspect or move a
   run at a known step; the Slurm tests use it to requeue a job at a step of their choosing instead of
   racing a job that trains faster than they can poll.
+- ``resume``: written by the trainer itself when it saved a checkpoint and stopped on a failure that a
+  fresh attempt can get past (a weight push lost over NCCL): ``{"step": N, "reason": ...}``. The
+  Slurm batch step then requeues the job.
 
 Rank 0 reads the files and broadcasts one decision per boundary, so every rank acts alike.
 """
@@ -29,7 +32,7 @@ from megatron_areal.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT, SAVED, HOLD, HELD = "checkpoint", "saved", "hold", "held"
+CHECKPOINT, SAVED, HOLD, HELD, RESUME = "checkpoint", "saved", "hold", "held", "resume"
 
 
 def control_dir(run_dir: str | Path) -> Path:
@@ -62,10 +65,19 @@ def saved_step(run_dir: str | Path) -> int | None:
     return int(info["step"]) if info and "step" in info else None
 
 
+def ask_to_resume(run_dir: str | Path, step: int, reason: str) -> None:
+    """The trainer saved step ``step`` and stops on a failure a new attempt can get past."""
+    _write(control_dir(run_dir) / RESUME, {"step": step, "reason": reason})
+
+
+def resume_asked(run_dir: str | Path) -> dict | None:
+    return _read_json(control_dir(run_dir) / RESUME)
+
+
 def clear_requests(run_dir: str | Path) -> None:
     """Forget an earlier attempt's request and answers (a requeued job must not stop at once again).
     ``hold`` stays: whoever placed it removes it."""
-    for name in (CHECKPOINT, SAVED, HELD):
+    for name in (CHECKPOINT, SAVED, HELD, RESUME):
         (control_dir(run_dir) / name).unlink(missing_ok=True)
 
 

@@ -22,7 +22,7 @@ from types import FrameType
 
 from megatron_areal.config import Config
 from megatron_areal.launch.checks import check_plan
-from megatron_areal.launch.control import clear_requests, request_checkpoint, saved_step
+from megatron_areal.launch.control import clear_requests, request_checkpoint, resume_asked, saved_step
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import Child, ProcessSet, Stopped, supervised
@@ -192,8 +192,13 @@ def run_slurm(cfg: Config, config_path: str, overrides: list[str], eta_explicit:
 
 
 def _requeue_if_asked(usr1: RequeueOnUsr1, rc: int | None, run_dir: Path) -> int:
-    """After both steps stopped: requeue when USR1 asked for it. ``rc`` is the trainer step's code, or
-    None when it was not waited for (no trainer yet, or no answer in time)."""
+    """After both steps stopped: requeue when USR1 asked for it, or when the trainer saved a checkpoint
+    and asked to be resumed. ``rc`` is the trainer step's code, or None when it was not waited for (no
+    trainer yet, or no answer in time)."""
+    resume = resume_asked(run_dir)
+    if resume is not None:
+        usr1.requeue(f"the trainer saved step {resume.get('step')} and stopped: {resume.get('reason')}")
+        return 0
     if not usr1.asked:
         return rc or 0
     step = saved_step(run_dir)

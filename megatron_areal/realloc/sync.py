@@ -36,6 +36,11 @@ class WeightSyncError(RuntimeError):
     """A transfer that could not complete; the message names the servers and what they said."""
 
 
+class TransferLost(WeightSyncError):
+    """A transfer over NCCL that failed part-way: not retried in this process (NCCL work cannot be
+    cancelled from the host); a new attempt resumed from the checkpoint gets past it."""
+
+
 @dataclass
 class SyncResult:
     version: str
@@ -230,7 +235,7 @@ class WeightSync:
                 # NCCL work cannot be cancelled from the host: a receiver lost mid-transfer leaves a
                 # broadcast that never completes (the watchdog ends the process). Stop cleanly
                 # instead; the trainer checkpoints and a scheduler requeues the run.
-                raise WeightSyncError(f"weights v{version}: transfer over NCCL failed, which is fatal "
+                raise TransferLost(f"weights v{version}: transfer over NCCL failed, which is fatal "
                                       "(resume from the checkpoint): " + "; ".join(outcome.errors.values()))
             lost = self._drop_dead(outcome.errors)
             dropped.update(lost)
