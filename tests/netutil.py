@@ -1,7 +1,12 @@
 """Network helpers shared by the launch tests."""
 from __future__ import annotations
 
+import json
 import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 
 def free_ports(n: int) -> list[int]:
@@ -13,3 +18,24 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def http_call(url: str, path: str, body: Any = None, *, raw: bytes | None = None, key: str | None = None,
+              method: str | None = None, timeout: float = 60.0,
+              parse_constant: Callable[[str], Any] | None = None) -> tuple[int, Any]:
+    """One HTTP request: POST a JSON ``body`` (or ``raw`` bytes), GET without one; returns (status,
+    parsed JSON or text). An error status is returned, not raised; no reply at all raises OSError."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data, method=method or ("GET" if data is None else "POST"))
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text, parse_constant=parse_constant)
+    except json.JSONDecodeError:
+        return status, text

@@ -5,14 +5,13 @@ import asyncio
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from netutil import http_call
 
 from megatron_areal.assets import make_tiny_model
 from megatron_areal.realloc.group import WeightUpdateGroup
@@ -22,22 +21,9 @@ from megatron_areal.server.weights import read_safetensors, tensor_checksum
 KEY = "secret-key"
 
 
-def call(url: str, path: str, body: Any = None, *, key: str | None = KEY, method: str | None = None,
-         raw: bytes | None = None, timeout: float = 120) -> tuple[int, Any]:
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data=data, method=method or ("GET" if data is None else "POST"))
-    req.add_header("Content-Type", "application/json")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
+def call(url: str, path: str, body: Any = None, *, key: str | None = KEY, timeout: float = 120,
+         **kw: Any) -> tuple[int, Any]:
+    return http_call(url, path, body, key=key, timeout=timeout, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -178,10 +164,10 @@ def test_info_endpoints(server) -> None:
     assert call(server.url, "/flush_cache", {})[0] == 200
 
 
-def _wait_running(url: str, n: int = 1) -> None:
+def _wait_running(url: str, n: int = 1, field: str = "num_running_reqs") -> None:
     deadline = time.monotonic() + 30
-    while call(url, "/v1/loads")[1]["loads"][0]["num_running_reqs"] < n:
-        assert time.monotonic() < deadline, "request never started running"
+    while call(url, "/v1/loads")[1]["loads"][0][field] < n:
+        assert time.monotonic() < deadline, f"{field} never reached {n}"
         time.sleep(0.02)
 
 
@@ -251,7 +237,7 @@ def test_queue_full_answers_503(models) -> None:
             first = ex.submit(call, srv.url, "/generate", long, key=None)
             _wait_running(srv.url)
             queued = ex.submit(call, srv.url, "/generate", long, key=None)
-            time.sleep(0.3)
+            _wait_running(srv.url, 1, field="num_waiting_reqs")
             status, reply = call(srv.url, "/generate", long, key=None)
             assert status == 503 and "queue full" in reply["error"]["message"]
             assert call(srv.url, "/abort_request", {"abort_all": True}, key=None)[0] == 200
@@ -332,7 +318,8 @@ def test_disk_update_refuses_wrong_model_and_keeps_weights(server, models, tmp_p
 def test_concurrent_generation_survives_weight_update(server, models) -> None:
     """Requests running during an update are re-prefilled under the new weights and still finish."""
     load(server.url, models[0], "v0")
-    body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
+    n = 1500  # long enough to be running when the update lands, even on a quiet machine
+    body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
     with ThreadPoolExecutor(4) as ex:
         pending = [ex.submit(call, server.url, "/generate", body) for _ in range(4)]
         _wait_running(server.url, 1)
@@ -340,9 +327,9 @@ def test_concurrent_generation_survives_weight_update(server, models) -> None:
         load(server.url, models[1], "v1")
         results = [p.result(timeout=120) for p in pending]
     for status, res in results:
-        assert status == 200 and len(res["output_ids"]) == 600
+        assert status == 200 and len(res["output_ids"]) == n
         spans = res["meta_info"]["weight_versions"]
-        assert spans[-1]["version"] == "v1" and spans[-1]["end"] == 600
+        assert spans[-1]["version"] == "v1" and spans[-1]["end"] == n
 
 
 def test_retract_pause_resumes_same_request_under_new_weights(server, models) -> None:

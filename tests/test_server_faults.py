@@ -12,8 +12,6 @@ import random
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from netutil import http_call
 
 from megatron_areal.assets import make_tiny_model
 from megatron_areal.server.engine import Engine, EngineOptions
@@ -34,20 +33,10 @@ POISON = 77  # a prompt starting with this token makes the injected model fail i
 def call(url: str, path: str, body: Any = None, *, raw: bytes | None = None,
          timeout: float = 30) -> tuple[int | None, Any]:
     """POST (or GET without a body); returns (status, parsed reply), or (None, why) when no reply came."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data=data, method="GET" if data is None else "POST")
-    req.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
+        return http_call(url, path, body, raw=raw, timeout=timeout, parse_constant=_no_constant)
     except (OSError, TimeoutError) as e:  # timeouts, resets, refused connections
         return None, f"{type(e).__name__}: {e}"
-    try:
-        return status, json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError:
-        return status, text
 
 
 def _no_constant(name: str) -> Any:

@@ -10,14 +10,13 @@ import json
 import os
 import shutil
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from netutil import http_call
 
 from megatron_areal.assets import make_tiny_model
 from megatron_areal.realloc.group import WeightUpdateGroup
@@ -32,18 +31,7 @@ QUICK_S = 10.0  # a refusal must come this fast: it may not wait for a broadcast
 
 
 def call(url: str, path: str, body: Any = None, *, timeout: float = 60.0, method: str | None = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method or ("GET" if data is None else "POST"))
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
+    return http_call(url, path, body, timeout=timeout, method=method)
 
 
 def message(reply: Any) -> str:
