@@ -5,6 +5,7 @@ import threading
 
 import pytest
 import torch
+from engine_jobs import run_jobs
 
 from megatron_areal.server.engine import Engine, EngineOptions, QueueFull
 from megatron_areal.server.sampler import SamplingParams, sample
@@ -13,18 +14,7 @@ from megatron_areal.server.scheduler import Request
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5], [10, 20, 30, 40, 50, 60, 70]]
 
 
-def run(engine: Engine, jobs: list[tuple[str, list[int], SamplingParams]], timeout: float = 120) -> dict[str, Request]:
-    done: dict[str, Request] = {}
-    finished = threading.Event()
-
-    def on_finish(r: Request) -> None:
-        done[r.rid] = r
-        if len(done) == len(jobs):
-            finished.set()
-
-    engine.submit(jobs, on_finish)
-    assert finished.wait(timeout), "requests did not finish"
-    return done
+run = run_jobs
 
 
 @pytest.fixture

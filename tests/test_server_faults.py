@@ -13,12 +13,14 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import torch
+from engine_jobs import run_jobs
 from netutil import http_call
 
 from megatron_areal.assets import make_tiny_model
@@ -213,18 +215,7 @@ class FaultyModel:
         return self.model(tokens, batch, cache)
 
 
-def run(engine: Engine, jobs: list[tuple[str, list[int], SamplingParams]], timeout: float = 20) -> dict[str, Request]:
-    done: dict[str, Request] = {}
-    finished = threading.Event()
-
-    def on_finish(r: Request) -> None:
-        done[r.rid] = r
-        if len(done) == len(jobs):
-            finished.set()
-
-    engine.submit(jobs, on_finish)
-    assert finished.wait(timeout), f"never answered: {sorted({j[0] for j in jobs} - set(done))}"
-    return done
+run = partial(run_jobs, timeout=20)  # a fault must be answered promptly
 
 
 @pytest.fixture
