@@ -335,17 +335,19 @@ def test_concurrent_generation_survives_weight_update(server, models) -> None:
 def test_retract_pause_resumes_same_request_under_new_weights(server, models) -> None:
     """mode=retract: the request keeps its connection, is re-prefilled after the update and finishes."""
     load(server.url, models[0], "v0")
-    prompt, n = PROMPTS[1], 1500
+    prompt, n = PROMPTS[1], 3500  # long enough to be running at the pause, even on a quiet machine
     body = {"input_ids": prompt, "return_logprob": True,
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
     with ThreadPoolExecutor(1) as ex:
         pending = ex.submit(call, server.url, "/generate", body)
         _wait_running(server.url)
-        assert call(server.url, "/pause_generation", {"mode": "retract"})[0] == 200
-        time.sleep(0.2)
-        assert not pending.done()
-        load(server.url, models[1], "v1")
-        assert call(server.url, "/continue_generation", {})[0] == 200
+        try:
+            assert call(server.url, "/pause_generation", {"mode": "retract"})[0] == 200
+            time.sleep(0.2)
+            assert not pending.done()
+            load(server.url, models[1], "v1")
+        finally:  # a failure here must not leave the shared server paused for the next tests
+            assert call(server.url, "/continue_generation", {})[0] == 200
         status, res = pending.result(timeout=120)
     assert status == 200 and len(res["output_ids"]) == n
     spans = res["meta_info"]["weight_versions"]
