@@ -65,7 +65,7 @@ def main() -> None:
 
     from megatron_areal.actor.model import build_model, te_available
     from megatron_areal.actor.parallel import init_parallel
-    from megatron_areal.convert.arch import ModelArch
+    from megatron_areal.model.arch import ModelArch
 
     groups = init_parallel(tp=1, pp=1, backend="nccl" if on_gpu else "gloo")
     dtype = torch.bfloat16 if on_gpu else torch.float32

@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     path = resolve_model(args.model) if args.model else smollm2_path()
-    from megatron_areal.convert.arch import load_arch
+    from megatron_areal.model.arch import load_arch
 
     vocab = load_arch(path).vocab_size
     server_args = ["--device", args.device, "--max-running", str(args.concurrency), "--context-length", "1024",

@@ -143,7 +143,7 @@ def packing_bench(args, groups) -> None:
     from megatron_areal.actor.config import OptimizerConfig
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.optim import build_train_state
-    from megatron_areal.convert.arch import ModelArch
+    from megatron_areal.model.arch import ModelArch
 
     vocab = 2048
     arch = ModelArch(model_type="qwen2", vocab_size=vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -288,8 +288,8 @@ def versus_transformers(args, groups, hf) -> int:
     from megatron_areal.actor.ppo_batch import sequence_advantages
     from megatron_areal.algorithm.config import PPOConfig
     from megatron_areal.assets import smollm2_path
-    from megatron_areal.convert.arch import load_arch
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
 
     hf_dir = smollm2_path()
     arch = load_arch(hf_dir)

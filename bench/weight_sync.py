@@ -70,8 +70,8 @@ def _rss_kb(field: str) -> int:
 def _t_setup(model_dir: str, urls: list[str], bucket_mb: float, tp: int, pp: int) -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
-    from megatron_areal.convert.arch import load_arch
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.realloc.config import ReallocConfig
     from megatron_areal.realloc.sync import WeightSync
 

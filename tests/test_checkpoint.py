@@ -36,7 +36,7 @@ def _actor(hf_dir: str, tp: int, pp: int, seed: int):
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.algorithm.config import PPOConfig
-    from megatron_areal.convert.arch import load_arch
+    from megatron_areal.model.arch import load_arch
 
     arch = load_arch(hf_dir)
     groups = init_parallel(tp=tp, pp=pp, backend="gloo", seed=seed)
@@ -49,7 +49,7 @@ def _actor(hf_dir: str, tp: int, pp: int, seed: int):
 def run_uninterrupted(hf_dir: str, root: str) -> dict:
     from megatron_areal.actor.parallel import teardown_parallel
     from megatron_areal.convert.checkpoint import Checkpointer
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.weights import load_hf_weights
 
     arch, groups, actor = _actor(hf_dir, 2, 2, seed=1)
     load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_areal.convert import mapping
-from megatron_areal.convert.arch import UnsupportedModelError, load_arch
 from megatron_areal.convert.convert import hf_to_mcore, mcore_to_hf
 from megatron_areal.convert.dist_ckpt import CheckpointMismatchError, CheckpointReadError
-from megatron_areal.convert.hf_io import HFFormatError
+from megatron_areal.model import mapping
+from megatron_areal.model.arch import UnsupportedModelError, load_arch
+from megatron_areal.model.hf_io import HFFormatError
 
 # ---------------------------------------------------------------- mapping (pure)
 
@@ -91,7 +91,7 @@ def export_stage(hf_dir: str, tp: int, pp: int) -> dict[str, torch.Tensor]:
     """Worker: load HF weights into this rank's stage, export them back (TP-gathered) as HF tensors."""
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
-    from megatron_areal.convert.weights import export_hf_weights, load_hf_weights
+    from megatron_areal.model.weights import export_hf_weights, load_hf_weights
 
     arch = load_arch(hf_dir)
     groups = init_parallel(tp=tp, pp=pp, backend="gloo")
@@ -242,7 +242,7 @@ def test_cli_reports_bad_input_in_one_line(tiny_llama, tmp_path, capsys):
 
 
 def test_sharded_folder_reads_like_single_file_and_missing_shard_is_named(tiny_qwen2, tmp_path):
-    from megatron_areal.convert.hf_io import INDEX, HFReader, copy_non_weights, write_hf_weights
+    from megatron_areal.model.hf_io import INDEX, HFReader, copy_non_weights, write_hf_weights
 
     arch = load_arch(tiny_qwen2)
     single = HFReader(tiny_qwen2, arch)

@@ -330,8 +330,8 @@ def _mismatch_run(hf_dir: str) -> dict:
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
-    from megatron_areal.convert.arch import load_arch
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.rollout.trajectory import Trajectory
     from megatron_areal.server.engine import Engine, EngineOptions
     from megatron_areal.server.sampler import SamplingParams

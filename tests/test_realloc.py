@@ -32,8 +32,8 @@ def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, t
              flat: bool = True) -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
-    from megatron_areal.convert.arch import load_arch
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.realloc.config import ReallocConfig
     from megatron_areal.realloc.sync import WeightSync
 
@@ -55,8 +55,8 @@ def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, t
 @torch.no_grad()
 def _w_step(step: int) -> None:
     """Stand-in for an optimizer step: a seeded change of every parameter, consistent across TP."""
-    from megatron_areal.convert import mapping
-    from megatron_areal.convert.weights import named_global_params
+    from megatron_areal.model import mapping
+    from megatron_areal.model.weights import named_global_params
 
     groups = _STATE["groups"]
     for chunk in _STATE["chunks"]:

@@ -199,8 +199,8 @@ def test_receiver_refuses_fields_sglang_does_not_know(receivers: list[ReceiverPr
 def _w_push_pp2(model_dir: str, urls: list[str], version: str) -> list[str]:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
-    from megatron_areal.convert.arch import load_arch
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.realloc.config import ReallocConfig
     from megatron_areal.realloc.sync import WeightSync
 
@@ -250,8 +250,8 @@ def test_pipeline_stages_reach_three_sglang_servers_one_at_a_time(receivers: lis
 def _w_sync_one_rank(model_dir: str, urls: list[str], version: str) -> dict[str, Any]:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
-    from megatron_areal.convert.arch import load_arch
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.realloc.config import ReallocConfig
     from megatron_areal.realloc.sync import WeightSync, WeightSyncError
 

@@ -9,12 +9,13 @@ import random
 import pytest
 
 from megatron_areal.config import ConfigError, load_config
+from megatron_areal.model.catalogue import CATALOGUE, resolve_arch
+from megatron_areal.model.counts import kv_bytes_per_token, param_count, weight_bytes
 from megatron_areal.sim.calibrate import calibrate, read_scalars
 from megatron_areal.sim.cli import main as simulate_main
 from megatron_areal.sim.costs import CostModel, decode_cost, sum_max_linear
 from megatron_areal.sim.engine import simulate
 from megatron_areal.sim.hardware import gpu_spec
-from megatron_areal.sim.models import CATALOGUE, resolve_model
 from megatron_areal.sim.result import TRAINER
 from megatron_areal.sim.scenario import ScenarioError, from_config
 
@@ -45,7 +46,7 @@ def test_decode_span_and_bounds():
     sim = load_config(None, []).sim
     dec = decode_cost(m, gpu, 1, sim)
     # A small batch reads the weights once: memory bound, about 15 GB / (3.35 TB/s * 0.8).
-    read = (m.weight_bytes + 1000 * m.kv_bytes_per_token) / (gpu.hbm_bw * sim.hbm_efficiency)
+    read = (weight_bytes(m) + 1000 * kv_bytes_per_token(m)) / (gpu.hbm_bw * sim.hbm_efficiency)
     assert dec.step_time(1, 1000) == pytest.approx(dec.overhead + read)
     # A huge batch of short contexts is compute bound.
     compute = dec.flop_per_seq * 4096 + dec.flop_per_ctx * 4096
@@ -56,15 +57,17 @@ def test_decode_span_and_bounds():
 
 
 def test_model_facts_and_hf_folder(tmp_path):
-    assert CATALOGUE["deepseek-r1-distill-qwen-1.5b"].params == pytest.approx(1.777e9, rel=1e-3)
-    assert CATALOGUE["deepseek-r1-distill-qwen-7b"].params == pytest.approx(7.616e9, rel=1e-3)
+    assert param_count(CATALOGUE["deepseek-r1-distill-qwen-1.5b"]) == pytest.approx(1.777e9, rel=1e-3)
+    assert param_count(CATALOGUE["deepseek-r1-distill-qwen-7b"]) == pytest.approx(7.616e9, rel=1e-3)
     cfg = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
            "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
            "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert resolve_model(str(tmp_path)).params == CATALOGUE["deepseek-r1-distill-qwen-1.5b"].params
+    name, arch = resolve_arch(str(tmp_path))
+    assert name == tmp_path.name
+    assert param_count(arch) == param_count(CATALOGUE["deepseek-r1-distill-qwen-1.5b"])
     with pytest.raises(ValueError, match="neither a known model"):
-        resolve_model("no-such-model")
+        resolve_arch("no-such-model")
 
 
 @pytest.mark.parametrize("eta", [1, 2])

@@ -39,8 +39,8 @@ from megatron_areal.actor.ppo_batch import (
 from megatron_areal.algorithm import decoupled_ppo_loss, kl_penalty
 from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.algorithm.offpolicy import rollout_mismatch_metrics
-from megatron_areal.convert.arch import ModelArch
 from megatron_areal.data.packing import allocate_microbatches, kk_partition
+from megatron_areal.model.arch import ModelArch
 from megatron_areal.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,8 @@ input/pre-MLP norms are fused into the next linear and are named
 from __future__ import annotations
 
 import logging
-import math
 import re
 import zlib
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +41,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_areal.actor.attention import PackedCoreAttention
-from megatron_areal.convert.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
+from megatron_areal.model.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
+from megatron_areal.model.rope import rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -172,28 +171,6 @@ def layer_spec(arch: ModelArch, use_te: bool) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     return spec
-
-
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """Inverse RoPE frequencies of ``arch`` as Hugging Face computes them (default/linear/llama3)."""
-    dim = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scaling: dict[str, Any] = arch.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(medium, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
 def _global_name(name: str, layer_offset: int, tied: bool) -> str:

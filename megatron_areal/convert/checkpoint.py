@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.convert import dist_ckpt
-from megatron_areal.convert.arch import ModelArch
-from megatron_areal.convert.hf_io import HFReader
-from megatron_areal.convert.weights import unwrap
+from megatron_areal.model.arch import ModelArch
+from megatron_areal.model.hf_io import HFReader
+from megatron_areal.model.weights import unwrap
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_areal.convert import dist_ckpt, mapping
-from megatron_areal.convert.arch import load_arch
-from megatron_areal.convert.hf_io import HFReader, atomic_dir, copy_non_weights, write_hf_weights
+from megatron_areal.convert import dist_ckpt
 from megatron_areal.convert.spawn import WorkerPool
+from megatron_areal.model import mapping
+from megatron_areal.model.arch import load_arch
+from megatron_areal.model.hf_io import HFReader, atomic_dir, copy_non_weights, write_hf_weights
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def save_hf_as_mcore_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
     """One rank of ``hf_to_mcore`` (runs inside a worker of the pool); returns its seconds."""
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.weights import load_hf_weights
 
     start = time.time()
     arch = load_arch(hf_dir)

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_areal.convert import mapping
-from megatron_areal.convert.arch import ModelArch, arch_from_hf_config
-from megatron_areal.convert.hf_io import non_weight_files
+from megatron_areal.model import mapping
+from megatron_areal.model.arch import ModelArch, arch_from_hf_config
+from megatron_areal.model.hf_io import non_weight_files
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def hf_arch_from_ckpt(ckpt_dir: Path) -> ModelArch:
 
 
 def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
-    from megatron_areal.convert.weights import unwrap
+    from megatron_areal.model.weights import unwrap
 
     chunks = [unwrap(c) for c in chunks]
     if len(chunks) == 1:
@@ -106,7 +106,7 @@ def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any
 
 
 def load_model_state(chunks: Sequence[torch.nn.Module], state: dict[str, Any]) -> None:
-    from megatron_areal.convert.weights import unwrap
+    from megatron_areal.model.weights import unwrap
 
     chunks = [unwrap(c) for c in chunks]
     if len(chunks) == 1:

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from megatron_areal.convert import dist_ckpt
-from megatron_areal.convert.arch import ModelArch, load_arch
 from megatron_areal.convert.cli import INPUT_ERRORS
-from megatron_areal.convert.hf_io import HFReader
 from megatron_areal.convert.spawn import WorkerPool
+from megatron_areal.model.arch import ModelArch, load_arch
+from megatron_areal.model.hf_io import HFReader
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def score_rank(kind: str, source: str, sequences: list[list[int]], tp: int, pp: 
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.algorithm.config import PPOConfig
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.weights import load_hf_weights
 
     arch = dist_ckpt.hf_arch_from_ckpt(Path(source)) if kind == "ckpt" else load_arch(source)
     groups = init_parallel(tp=tp, pp=pp, backend="gloo")

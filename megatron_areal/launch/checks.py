@@ -9,17 +9,12 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_areal.config import Config
-from megatron_areal.convert.arch import ModelArch, UnsupportedModelError, load_arch
 from megatron_areal.launch.plan import Plan
-from megatron_areal.sim.models import ModelShape, shape_from_arch
-from megatron_areal.sim.models import resolve_model as catalogue_model
+from megatron_areal.model.arch import ModelArch, UnsupportedModelError, load_arch
+from megatron_areal.model.catalogue import resolve_arch
+from megatron_areal.model.counts import BF16_BYTES, OPTIMIZER_BYTES, WEIGHT_GRAD_BYTES, param_count
 
 GB = 1e9
-# Bytes per parameter of the trainer's model state in bf16 mixed precision (Megatron's accounting):
-# bf16 weights 2 + fp32 gradients 4, plus fp32 master weights 4 and Adam moments 4 + 4, which the
-# distributed optimizer shards over data-parallel ranks.
-WEIGHT_GRAD_BYTES = 6
-OPTIMIZER_BYTES = 12
 # The paper's staleness ablation: AIME24 holds up to eta = 8 with decoupled PPO and drops at 16.
 ETA_WARN_ABOVE = 8
 
@@ -36,22 +31,22 @@ def model_arch(cfg: Config) -> ModelArch | None:
         return None
 
 
-def catalogue_shape(cfg: Config) -> ModelShape | None:
-    """The simulator's catalogue of published model shapes, so a plan for a model whose weights are
-    not on this machine (a laptop planning a cluster run) is still checked."""
+def catalogue_arch(cfg: Config) -> ModelArch | None:
+    """The catalogue of published models, so a plan for a model whose weights are not on this
+    machine (a laptop planning a cluster run) is still checked."""
     try:
-        return catalogue_model(cfg.model.path)
+        return resolve_arch(cfg.model.path)[1]
     except (ValueError, OSError, UnsupportedModelError):
         return None
 
 
-def model_params(cfg: Config, arch: ModelArch | None, shape: ModelShape | None) -> float | None:
+def model_params(cfg: Config, arch: ModelArch | None, known: ModelArch | None) -> float | None:
     """From the local config.json, else cluster.model_params_b, else the catalogue."""
     if arch is not None:
-        return float(shape_from_arch(cfg.model.path, arch).params)
+        return float(param_count(arch))
     if cfg.cluster.model_params_b > 0:
         return cfg.cluster.model_params_b * 1e9
-    return float(shape.params) if shape is not None else None
+    return float(param_count(known)) if known is not None else None
 
 
 def check_plan(plan: Plan, cfg: Config, eta_explicit: bool, *, model_here: bool = False) -> None:
@@ -64,13 +59,13 @@ def check_plan(plan: Plan, cfg: Config, eta_explicit: bool, *, model_here: bool 
     _check_batch(plan, cfg)
     _check_transformer_impl(plan, cfg)
     arch = model_arch(cfg)
-    shape = None if arch is not None else catalogue_shape(cfg)
-    if not _check_model_path(plan, cfg, arch, shape, model_here):
+    known = None if arch is not None else catalogue_arch(cfg)
+    if not _check_model_path(plan, cfg, arch, known, model_here):
         return  # the sizing checks below would only repeat that the model is unknown
-    if arch is not None or shape is not None:
-        _check_shapes(plan, arch or shape)
+    if arch is not None or known is not None:
+        _check_shapes(plan, arch or known)
     if plan.gpus_per_node > 0:
-        params = model_params(cfg, arch, shape)
+        params = model_params(cfg, arch, known)
         if params is None:
             plan.errors.append(f"cannot size the model: {cfg.model.path} is not a local HF folder nor a "
                                "known model; set cluster.model_params_b")
@@ -78,7 +73,7 @@ def check_plan(plan: Plan, cfg: Config, eta_explicit: bool, *, model_here: bool 
             _check_memory(plan, cfg, params)
 
 
-def _check_model_path(plan: Plan, cfg: Config, arch: ModelArch | None, shape: ModelShape | None,
+def _check_model_path(plan: Plan, cfg: Config, arch: ModelArch | None, known: ModelArch | None,
                       model_here: bool) -> bool:
     """Whether ``model.path`` resolves (a built-in name or an HF folder here), as the launcher will
     resolve it once for every role; False (with an error) when the job could not start."""
@@ -92,7 +87,7 @@ def _check_model_path(plan: Plan, cfg: Config, arch: ModelArch | None, shape: Mo
     if path.exists():
         plan.errors.append(f"model.path {where} has no config.json: not a Hugging Face model folder")
         return False
-    if not model_here and (shape is not None or cfg.cluster.model_params_b > 0):
+    if not model_here and (known is not None or cfg.cluster.model_params_b > 0):
         plan.warnings.append(f"model.path '{key}' is not a folder on this machine; the job needs it as an HF "
                              "folder where it starts (a relative path resolves against that directory)")
         return True
@@ -148,7 +143,7 @@ def _check_batch(plan: Plan, cfg: Config) -> None:
                            f"step (rollout.batch_size * group_size = {seqs}): ranks would idle")
 
 
-def _check_shapes(plan: Plan, arch: ModelArch | ModelShape) -> None:
+def _check_shapes(plan: Plan, arch: ModelArch) -> None:
     t = plan.trainer
     if arch.num_layers % t.pp:
         plan.errors.append(f"{arch.num_layers} layers are not divisible by parallel.pp ({t.pp})")
@@ -173,7 +168,7 @@ def _check_memory(plan: Plan, cfg: Config, params: float) -> None:
         plan.warnings.append(f"trainer model state takes {per_gpu / cap:.0%} of GPU memory; little is "
                              "left for activations")
     budget = cap * cfg.server.mem_fraction
-    weights = params * 2 / plan.server_tp
+    weights = params * BF16_BYTES / plan.server_tp
     plan.notes.append(f"server weights per GPU: {weights / GB:.1f} GB of {budget / GB:.0f} GB "
                       f"(server.mem_fraction {cfg.server.mem_fraction}); the rest is KV cache")
     if weights > budget:

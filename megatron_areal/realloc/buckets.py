@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_areal.convert.arch import ModelArch
+from megatron_areal.model.arch import ModelArch
 from megatron_areal.realloc.gather import stage_hf_tensors
 
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megatron_areal.actor.parallel import ParallelGroups
-from megatron_areal.convert.arch import ModelArch
-from megatron_areal.convert.hf_io import INDEX, copy_non_weights
+from megatron_areal.model.arch import ModelArch
+from megatron_areal.model.hf_io import INDEX, copy_non_weights
 from megatron_areal.realloc.gather import stage_hf_tensors
 
 log = logging.getLogger(__name__)

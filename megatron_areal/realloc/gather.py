@@ -12,9 +12,9 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_areal.convert import mapping
-from megatron_areal.convert.arch import ModelArch
-from megatron_areal.convert.weights import named_global_params
+from megatron_areal.model import mapping
+from megatron_areal.model.arch import ModelArch
+from megatron_areal.model.weights import named_global_params
 
 
 def gather_to_head(name: str, local: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int,

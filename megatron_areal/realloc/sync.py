@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.actor.parallel import ParallelGroups
-from megatron_areal.convert.arch import ModelArch
+from megatron_areal.model.arch import ModelArch
 from megatron_areal.realloc.buckets import Bucket, hf_buckets
 from megatron_areal.realloc.config import ReallocConfig
 from megatron_areal.realloc.disk import prune_versions, write_hf_folder

@@ -5,13 +5,12 @@ and weights load (from disk or from the trainer) without a name map.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_areal.convert.arch import ModelArch
+from megatron_areal.model.rope import rope_inv_freq
 from megatron_areal.server.kv_cache import KVCache
 
 
@@ -26,29 +25,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """Inverse frequencies of rotary embedding, with the scalings our families use."""
-    dim = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = arch.rope_scaling
-    if not scaling:
-        return inv
-    kind = scaling.get("rope_type")
-    if kind == "linear":
-        return inv / float(scaling["factor"])
-    if kind == "llama3":
-        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), \
-            float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported by the embedded server")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_areal.model.arch import ModelArch
+from megatron_areal.model.counts import attention_width, kv_bytes_per_token, matmul_params, param_count, weight_bytes
 from megatron_areal.sim.config import SimConfig
 from megatron_areal.sim.hardware import GPUSpec
-from megatron_areal.sim.models import ModelShape
 
 
 def _series(a: float, b: float, j0: int, j1: int) -> float:
@@ -78,51 +79,51 @@ class DecodeCost:
         return lo
 
 
-def decode_cost(model: ModelShape, gpu: GPUSpec, tp: int, sim: SimConfig) -> DecodeCost:
+def decode_cost(model: ModelArch, gpu: GPUSpec, tp: int, sim: SimConfig) -> DecodeCost:
     bw = gpu.hbm_bw * sim.hbm_efficiency * tp
     flops = gpu.bf16_flops * sim.decode_flops_efficiency * tp
     kernels = model.num_layers * sim.kernels_per_layer * sim.kernel_gap_s
     # Two all-reduces per layer (after attention and after the MLP) when the server is sharded.
     allreduce = 2 * model.num_layers * gpu.nvlink_latency_s if tp > 1 else 0.0
-    return DecodeCost(mem_fixed=model.weight_bytes / bw, mem_per_ctx=model.kv_bytes_per_token / bw,
-                      flop_per_seq=2 * model.matmul_params / flops,
-                      flop_per_ctx=4 * model.num_layers * model.attn_dim / flops,
+    return DecodeCost(mem_fixed=weight_bytes(model) / bw, mem_per_ctx=kv_bytes_per_token(model) / bw,
+                      flop_per_seq=2 * matmul_params(model) / flops,
+                      flop_per_ctx=4 * model.num_layers * attention_width(model) / flops,
                       overhead=sim.decode_step_overhead_s + kernels + allreduce)
 
 
 @dataclass(frozen=True)
 class CostModel:
-    model: ModelShape
+    model: ModelArch
     gpu: GPUSpec
     sim: SimConfig
 
     def prefill_time(self, tokens: float, sq_sum: float, tp: int) -> float:
         """One forward pass over ``tokens`` new tokens (causal attention: 2*s^2*d per layer)."""
         m = self.model
-        flops = 2 * m.matmul_params * tokens + 2 * m.num_layers * m.attn_dim * sq_sum
+        flops = 2 * matmul_params(m) * tokens + 2 * m.num_layers * attention_width(m) * sq_sum
         compute = flops / (self.gpu.bf16_flops * self.sim.prefill_mfu * tp)
-        weights = self.model.weight_bytes / (self.gpu.hbm_bw * self.sim.hbm_efficiency * tp)
+        weights = weight_bytes(self.model) / (self.gpu.hbm_bw * self.sim.hbm_efficiency * tp)
         return max(compute, weights) + self.sim.decode_step_overhead_s
 
     def kv_capacity_tokens(self, tp: int, mem_fraction: float) -> int:
         """Tokens of KV cache one server holds: its memory share minus the weights."""
-        free = self.gpu.hbm_bytes * mem_fraction * tp - self.model.weight_bytes
+        free = self.gpu.hbm_bytes * mem_fraction * tp - weight_bytes(self.model)
         if free <= 0:
-            raise ValueError(f"{self.model.name} ({self.model.weight_bytes / 1e9:.1f} GB) does not fit on "
+            raise ValueError(f"the model ({weight_bytes(self.model) / 1e9:.1f} GB) does not fit on "
                              f"{tp} x {self.gpu.name} at server.mem_fraction={mem_fraction}; raise server.tp")
-        return int(free / self.model.kv_bytes_per_token)
+        return int(free / kv_bytes_per_token(self.model))
 
     def train_time(self, tokens: float, sq_sum: float, n_gpus: int, tp: int, pp: int, n_minibatches: int,
                    max_tokens_per_mb: int) -> float:
         """One PPO step: a no-grad forward for the proximal logprobs, then forward+backward of every
         token once, split into ``n_minibatches`` optimizer steps."""
         m = self.model
-        flops = 8 * m.matmul_params * tokens + 8 * m.num_layers * m.attn_dim * sq_sum
+        flops = 8 * matmul_params(m) * tokens + 8 * m.num_layers * attention_width(m) * sq_sum
         compute = flops / (n_gpus * self.gpu.bf16_flops * self.sim.train_mfu)
         dp = max(1, n_gpus // (tp * pp))
         mbs = max(1, math.ceil(tokens / (n_minibatches * dp * max_tokens_per_mb)))
         compute *= 1 + (pp - 1) / mbs  # pipeline fill and drain of each minibatch
-        shard = m.params / (tp * pp)
+        shard = param_count(m) / (tp * pp)
         # fp32 gradient all-reduce over DP (ring); Megatron overlaps it with the backward pass.
         net = self.gpu.net_bw * self.sim.net_efficiency
         grad_sync = 2 * (dp - 1) / dp * 4 * shard / net if dp > 1 else 0.0
@@ -134,7 +135,7 @@ class CostModel:
         """Trainer -> servers. Split placement: one NCCL broadcast per pipeline stage, pipelined so
         each receiver sees the stage's bytes once at NIC speed. Colocated: an on-device copy."""
         if colocated:
-            copy = self.model.weight_bytes / (self.gpu.hbm_bw * self.sim.hbm_efficiency)
+            copy = weight_bytes(self.model) / (self.gpu.hbm_bw * self.sim.hbm_efficiency)
             return copy + self.sim.update_overhead_s
         net = self.gpu.net_bw * self.sim.net_efficiency
-        return self.model.weight_bytes / pp / net + self.sim.update_overhead_s
+        return weight_bytes(self.model) / pp / net + self.sim.update_overhead_s

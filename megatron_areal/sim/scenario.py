@@ -6,9 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_areal.config import Config
+from megatron_areal.model.arch import ModelArch
+from megatron_areal.model.catalogue import resolve_arch
 from megatron_areal.sim.config import SimConfig
 from megatron_areal.sim.hardware import GPUSpec, gpu_spec
-from megatron_areal.sim.models import ModelShape, resolve_model
 
 
 class ScenarioError(ValueError):
@@ -17,7 +18,8 @@ class ScenarioError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
-    model: ModelShape
+    model: ModelArch
+    model_name: str
     gpu: GPUSpec
     sim: SimConfig
     batch_size: int  # groups per training step
@@ -48,7 +50,7 @@ class Scenario:
     def label(self) -> str:
         mode = "sync" if self.eta == 0 else f"async eta={self.eta}"
         place = "colocated" if self.colocated else f"{self.gen_gpus} gen + {self.train_gpus} train"
-        return f"{self.model.name} {mode}, {place} GPUs"
+        return f"{self.model_name} {mode}, {place} GPUs"
 
     def replace(self, **changes) -> Scenario:
         return dataclasses.replace(self, **changes)
@@ -87,7 +89,8 @@ def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None
         n_servers, train = split_gpus(gpus, frac, cfg.server.tp, unit)
     if train < unit:
         raise ScenarioError(f"{train} training GPUs cannot hold parallel.tp*pp={unit}")
-    return Scenario(model=resolve_model(cfg.model.path), gpu=gpu_spec(sim.gpu), sim=sim,
+    name, arch = resolve_arch(cfg.model.path)
+    return Scenario(model=arch, model_name=name, gpu=gpu_spec(sim.gpu), sim=sim,
                     batch_size=cfg.rollout.batch_size, group_size=cfg.rollout.group_size,
                     max_new_tokens=cfg.rollout.max_new_tokens, eta=eta,
                     max_concurrent=cfg.rollout.max_concurrent, n_servers=n_servers, server_tp=cfg.server.tp,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_areal.convert.arch import ModelArch
+from megatron_areal.model.arch import ModelArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

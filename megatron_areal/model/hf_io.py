@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_areal.convert import mapping
-from megatron_areal.convert.arch import ModelArch, load_arch
+from megatron_areal.model import mapping
+from megatron_areal.model.arch import ModelArch, load_arch
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,105 @@
+"""The architecture facts of a supported Hugging Face model, read once from its config.
+
+Every part that builds or maps a model (the Megatron actor, conversion, weight transfer, the
+embedded server) reads the same ``ModelArch``, so the families we support are listed here only.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool  # Qwen2: bias on q, k and v projections
+    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
+        """Vocabulary padded so each of ``tp`` ranks holds an equal, aligned slice."""
+        multiple = divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    scaling = None
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in (None, "default"):
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+            scaling["rope_type"] = kind
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def arch_from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelArch:
+    """Build a ModelArch from an HF ``config.json`` dict; unsupported families are refused."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        theta, scaling = _rope(cfg)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return ModelArch(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except KeyError as e:
+        raise UnsupportedModelError(f"{source}: missing required key {e.args[0]!r}") from None
+
+
+def load_arch(hf_dir: str | Path) -> ModelArch:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (is {hf_dir} a Hugging Face model folder?)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UnsupportedModelError(f"{path}: invalid JSON: {e}") from None
+    return arch_from_hf_config(cfg, source=str(path))

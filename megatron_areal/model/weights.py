@@ -1,0 +1,103 @@
+"""Move weights between Hugging Face tensors and a live Megatron model at any TP/PP layout.
+
+``load_hf_weights`` fills this rank's pipeline-stage chunks from an HF folder, reading only the
+tensors it needs and keeping only its TP slice. ``export_hf_weights`` is the inverse for one
+stage: it gathers each parameter across the TP group and yields HF (name, tensor) pairs one
+parameter at a time, so the weight transfer to rollout servers never holds more than one layer's
+worth of full tensors.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_areal.model import mapping
+from megatron_areal.model.arch import ModelArch
+from megatron_areal.model.hf_io import HFReader
+
+log = logging.getLogger(__name__)
+
+
+def layer_offset(chunk: torch.nn.Module) -> int:
+    """Global index of this chunk's first transformer layer (0 on a stage without layers)."""
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    if not layers:
+        return 0
+    return int(layers[0].layer_number) - 1
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def named_global_params(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(global Megatron name, parameter) of a (possibly wrapped) chunk; layer indices are whole-model."""
+    chunk = unwrap(chunk)
+    offset = layer_offset(chunk)
+    for name, param in chunk.named_parameters():
+        yield mapping.canonical(mapping.global_name(name, offset)), param
+
+
+def _source_name(arch: ModelArch, name: str) -> str:
+    # With tied embeddings the last stage still has its own copy of the output layer when PP > 1.
+    if arch.tie_word_embeddings and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: Sequence[torch.nn.Module], hf: str | Path | HFReader, arch: ModelArch,
+                    tp_rank: int, tp_size: int, optimizer: Any = None) -> int:
+    """Copy HF weights into this rank's chunks; returns the number of parameters filled.
+
+    Chunks may be wrapped in Megatron DDP. Pass the optimizer when it already exists, so its
+    fp32 main copies (bf16 training) pick up the new weights.
+    """
+    reader = hf if isinstance(hf, HFReader) else HFReader(hf, arch)
+    filled = 0
+    for chunk in chunks:
+        for name, param in named_global_params(chunk):
+            padded = param.shape[0] * tp_size if mapping.tp_dim(name) == 0 else param.shape[0]
+            full = reader.mcore_tensor(_source_name(arch, name), padded_vocab=padded, dtype=param.dtype)
+            local = mapping.shard(name, full, tp_rank, tp_size)
+            if local.shape != param.shape:
+                raise ValueError(f"{reader.dir}: {name} maps to shape {tuple(local.shape)} on tp rank {tp_rank}, "
+                                 f"but the model expects {tuple(param.shape)}")
+            param.copy_(local)
+            filled += 1
+    if optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # mixed precision keeps fp32 main copies of the weights
+    log.info("loaded %d parameters from %s (tp rank %d/%d)", filled, reader.dir, tp_rank, tp_size)
+    return filled
+
+
+def gather_tp(name: str, local: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int) -> torch.Tensor:
+    """The full tensor of a TP-split parameter (every rank of the group gets it)."""
+    if tp_size == 1 or mapping.tp_dim(name) is None:
+        return local
+    shards = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(shards, local.contiguous(), group=tp_group)
+    return mapping.gather(name, shards)
+
+
+@torch.no_grad()
+def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_group: dist.ProcessGroup | None,
+                      tp_size: int, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs of this stage's parameters, TP-gathered, one parameter at a time.
+
+    Every rank of the TP group must iterate in step (the gathers are collective). With tied
+    embeddings only the stage that holds ``embedding`` yields ``model.embed_tokens.weight``.
+    """
+    for chunk in chunks:
+        for name, param in named_global_params(chunk):
+            full = gather_tp(name, param.detach(), tp_group, tp_size)
+            for hf_name, t in mapping.to_hf(arch, [(name, full)]):
+                yield hf_name, (t if dtype is None else t.to(dtype))
