@@ -1,0 +1,172 @@
+"""The baseline a user would write: a plain synchronous GRPO loop on transformers, about 100 lines.
+
+Each step samples ``batch`` training prompts, generates ``group`` answers per prompt with
+``model.generate`` (temperature ``temperature``), scores them with the same verifier as the main
+job, normalises rewards within each group (groups whose rewards are all equal carry no signal and
+are skipped), and takes one token-level PPO-clip step (one update per batch, so the ratio is 1 and
+the clip never binds) with AdamW and gradient clipping. Held-out accuracy is greedy decoding of the
+main job's 200 fixed problems with the main job's chat template and answer check.
+
+Used by ``bench/time_to_accuracy.py``; runs alone too:
+
+    python bench/plain_grpo.py --budget-s 600 --eval-every 4 --out plain.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+
+def load(model_name: str, threads: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_areal.assets import resolve_model
+
+    torch.set_num_threads(threads)
+    path = resolve_model(model_name)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, tokenizer
+
+
+def encode(tokenizer, prompts) -> list[list[int]]:
+    from megatron_areal.data.template import encode_prompt
+
+    return [encode_prompt(tokenizer, p, True) for p in prompts]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, ids: list[list[int]], *, n: int, max_new_tokens: int,
+             temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts, each repeated ``n`` times -> the full sequences and the prompts' attention
+    mask (padding is the eos id, which also occurs inside the chat template)."""
+    batch = tokenizer.pad({"input_ids": [x for x in ids for _ in range(n)]}, return_tensors="pt")
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **sampling)
+    return out, batch["attention_mask"]
+
+
+def replies(tokenizer, out: torch.Tensor, width: int) -> list[str]:
+    return tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+
+def accuracy(model, tokenizer, prompts, *, max_new_tokens: int, batch: int = 50) -> float:
+    from megatron_areal.reward.arithmetic import verify_number
+
+    model.eval()
+    correct = 0
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        out, prompt_mask = generate(model, tokenizer, encode(tokenizer, chunk), n=1, max_new_tokens=max_new_tokens,
+                                    temperature=0.0)
+        texts = replies(tokenizer, out, prompt_mask.shape[1])
+        correct += sum(verify_number(r, p.answer).reward >= 1 for r, p in zip(texts, chunk, strict=True))
+    return correct / len(prompts)
+
+
+def response_mask(out: torch.Tensor, width: int, eos: int) -> torch.Tensor:
+    """1 for each generated token up to and including the first eos, 0 for padding after it."""
+    gen = out[:, width:]
+    ended = torch.cumsum((gen == eos).int(), 1)
+    keep = (ended == 0) | ((ended == 1) & (gen == eos))
+    mask = torch.zeros_like(out, dtype=torch.float32)
+    mask[:, width:] = keep.float()
+    return mask
+
+
+def grpo_step(model, optimizer, out: torch.Tensor, prompt_mask: torch.Tensor, rewards: torch.Tensor, group: int,
+              eos: int, eps_clip: float = 0.2) -> int:
+    """One token-level PPO-clip update on the groups whose rewards differ; returns the trained samples."""
+    r = rewards.view(-1, group)
+    keep = (r.max(1).values > r.min(1).values).repeat_interleave(group)
+    if not keep.any():
+        return 0
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)[keep]
+    seqs, width = out[keep], prompt_mask.shape[1]
+    mask = response_mask(seqs, width, eos)[:, 1:]
+    attn = torch.ones_like(seqs)
+    attn[:, :width] = prompt_mask[keep]
+    model.train()
+    logits = model(input_ids=seqs, attention_mask=attn).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())
+    a = adv[:, None]
+    loss_tok = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps_clip, 1 + eps_clip) * a)
+    loss = (loss_tok * mask).sum() / mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return int(keep.sum())
+
+
+def run(args: argparse.Namespace, log=print) -> list[dict]:
+    """Train until ``budget_s`` seconds of training (evaluations excluded); accuracy at step 0, every
+    ``eval_every`` steps and at the end. Returns the evaluation points."""
+    from megatron_areal.data.arithmetic import arithmetic_eval, arithmetic_train
+    from megatron_areal.reward.arithmetic import verify_number
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = load(args.model, args.threads)
+    held_out = arithmetic_eval(size=args.eval_size)
+    train = arithmetic_train(seed=args.seed)
+    random.Random(args.seed).shuffle(train)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    points, trained_s, step = [], 0.0, 0
+
+    def evaluate() -> None:
+        t = time.monotonic()
+        acc = accuracy(model, tokenizer, held_out, max_new_tokens=args.max_new_tokens)
+        points.append({"step": step, "train_s": trained_s, "accuracy": acc, "eval_s": time.monotonic() - t})
+        log(f"plain step {step:3d}  train {trained_s:6.0f} s  held-out {100 * acc:.1f}%")
+
+    evaluate()
+    while trained_s < args.budget_s:
+        t = time.monotonic()
+        prompts = [train[(step * args.batch + i) % len(train)] for i in range(args.batch)]
+        model.eval()
+        out, prompt_mask = generate(model, tokenizer, encode(tokenizer, prompts), n=args.group,
+                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        texts = replies(tokenizer, out, prompt_mask.shape[1])
+        rewards = torch.tensor([verify_number(x, prompts[i // args.group].answer).reward for i, x in enumerate(texts)])
+        grpo_step(model, optimizer, out, prompt_mask, rewards, args.group, tokenizer.eos_token_id)
+        step += 1
+        trained_s += time.monotonic() - t
+        if args.eval_every and step % args.eval_every == 0 and trained_s < args.budget_s:
+            evaluate()
+    evaluate()
+    return points
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=8, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--lr", type=float, default=5e-6)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--eval-size", type=int, default=200)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--budget-s", type=float, default=600.0, help="training seconds, evaluations excluded")
+    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    points = run(args)
+    if args.out:
+        args.out.write_text("".join(json.dumps(p) + "\n" for p in points))
+
+
+if __name__ == "__main__":
+    main()
