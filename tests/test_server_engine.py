@@ -44,16 +44,86 @@ def test_family_matches_transformers(family: str, engine_for, request) -> None:
     done = run(engine, [(f"g{i}", p, greedy) for i, p in enumerate(PROMPTS)]
                + [(f"s{i}", p, hot) for i, p in enumerate(PROMPTS)])
     for i, prompt in enumerate(PROMPTS):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-        assert done[f"g{i}"].output_ids == ref
-        for rid, temp in ((f"g{i}", 1.0), (f"s{i}", 0.6)):
-            r = done[rid]
-            with torch.no_grad():
-                logits = hf(torch.tensor([r.all_ids])).logits[0].float()
-            lp = torch.log_softmax(logits / temp, -1)
-            ref_lp = [lp[len(prompt) - 1 + k, t].item() for k, t in enumerate(r.output_ids)]
-            assert max(abs(a - b) for a, b in zip(r.output_logprobs, ref_lp, strict=True)) <= 1e-4
+        assert done[f"g{i}"].output_ids == hf_greedy(hf, prompt, 20)
+        assert_logprobs_match(hf, done[f"g{i}"], 1.0)
+        assert_logprobs_match(hf, done[f"s{i}"], 0.6)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def assert_logprobs_match(hf, r: Request, temp: float) -> None:
+    """The request's logprobs are transformers' log_softmax(logits / temp) at its tokens (fp32)."""
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([r.all_ids])).logits[0].float() / temp, -1)
+    ref = [lp[len(r.prompt_ids) - 1 + k, t].item() for k, t in enumerate(r.output_ids)]
+    assert max(abs(a - b) for a, b in zip(r.output_logprobs, ref, strict=True)) <= 1e-4
+
+
+class CountingModel:
+    """Wraps the engine's model and records the rows (slot, start, length, first) of each forward."""
+
+    def __init__(self, model) -> None:
+        self.model, self.forwards = model, []
+
+    def __call__(self, tokens, batch, cache):
+        self.forwards.append(batch.rows)
+        return self.model(tokens, batch, cache)
+
+
+def test_samples_of_one_prompt_prefill_it_once(tiny_llama, engine_for) -> None:
+    """Four samples of one prompt, arriving together: one prefills the prompt, the others copy its KV
+    and compute only the prompt's last token, and every output is still transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_for(tiny_llama)
+    counting = engine.model = CountingModel(engine.model)
+    prompt = PROMPTS[2]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    jobs = [("g", prompt, greedy)] + [(f"s{i}", prompt, SamplingParams(max_new_tokens=12, temperature=0.8,
+                                                                       ignore_eos=True, seed=i)) for i in range(3)]
+    done = run(engine, jobs)
+    first, second = counting.forwards[:2]
+    assert [(start, n) for _, start, n, _ in first] == [(0, len(prompt))]
+    assert sorted((start, n) for _, start, n, _ in second) == [(len(prompt) - 1, 1)] * 3 + [(len(prompt), 1)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    assert done["g"].output_ids == hf_greedy(hf, prompt, 12)
+    assert_logprobs_match(hf, done["g"], 1.0)
+    for i in range(3):
+        assert_logprobs_match(hf, done[f"s{i}"], 0.8)
+    assert len({tuple(done[f"s{i}"].output_ids) for i in range(3)}) > 1  # they did not share their samples
+
+
+def test_retracted_samples_share_the_prompt_again(tiny_llama, engine_for) -> None:
+    """After a retract (as for a weight update) the samples of a prompt are prefilled again: one from
+    position 0, the others from its prompt KV onwards (several tokens past a shared prefix)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_for(tiny_llama)
+    counting = engine.model = CountingModel(engine.model)
+    greedy = SamplingParams(max_new_tokens=150, temperature=0, ignore_eos=True)
+    done: dict[str, Request] = {}
+    finished = threading.Event()
+
+    def on_finish(r: Request) -> None:
+        done[r.rid] = r
+        if len(done) == 3:
+            finished.set()
+
+    engine.submit([(f"r{i}", PROMPTS[0], greedy) for i in range(3)], on_finish)
+    while len(engine.scheduler.running) < 3 or min(len(r.output_ids) for r in engine.scheduler.running) < 4:
+        threading.Event().wait(0.002)
+    engine.pause("retract")
+    engine.resume()
+    assert finished.wait(120)
+    assert any(start > 0 and n > 1 for rows in counting.forwards for _, start, n, _ in rows)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ref = hf_greedy(hf, PROMPTS[0], 150)
+    for r in done.values():
+        assert r.output_ids == ref
+        assert_logprobs_match(hf, r, 1.0)
 
 
 def test_seeded_sampling_independent_of_batch(tiny_llama, engine_for) -> None:

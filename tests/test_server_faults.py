@@ -210,7 +210,7 @@ class FaultyModel:
         time.sleep(self.delay)
         if self.broken:
             raise RuntimeError("injected fault: the model cannot run")
-        if bool(((batch.starts == 0) & (tokens[:, 0] == POISON)).any()):
+        if bool(((batch.starts == 0) & (tokens[0, batch.first] == POISON)).any()):  # rows packed in one
             raise RuntimeError("injected fault: poisoned prompt")
         return self.model(tokens, batch, cache)
 

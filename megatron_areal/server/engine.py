@@ -17,8 +17,9 @@ import torch
 
 from megatron_areal.convert.arch import ModelArch, load_arch
 from megatron_areal.realloc.group import WeightUpdateGroup
+from megatron_areal.server.attention import ForwardBatch
 from megatron_areal.server.kv_cache import KVCache
-from megatron_areal.server.model import CausalLM, ForwardBatch, rope_inv_freq
+from megatron_areal.server.model import CausalLM, rope_inv_freq
 from megatron_areal.server.sampler import SamplingParams, sample
 from megatron_areal.server.scheduler import Request, Scheduler
 from megatron_areal.server.weights import (
@@ -230,8 +231,11 @@ class Engine:
         # From here every request of the step is in ``running``: whatever fails, the recovery finds
         # each of them, frees its slot and answers it.
         self.scheduler.running.extend(plan.prefill)
-        failed = self._run(plan.prefill, prefill=True) + self._run(plan.decode, prefill=False)
-        touched = plan.prefill + plan.decode
+        for donor, r, n in plan.shares:
+            self.cache.copy_prefix(donor.slot, r.slot, n)
+            r.cached = n
+        touched = plan.decode + plan.prefill  # one forward: decodes and prefills packed together
+        failed = self._run(touched)
         finished = [r for r in touched if r.finish_reason is not None]
         self.scheduler.running = [r for r in self.scheduler.running if r.finish_reason is None]
         self._set_queued(len(self.scheduler.waiting))
@@ -243,13 +247,13 @@ class Engine:
         for r in finished:
             self._answer(r)
 
-    def _run(self, reqs: list[Request], prefill: bool) -> list[Request]:
+    def _run(self, reqs: list[Request]) -> list[Request]:
         """Forward and sample ``reqs`` together; if that fails, each alone, so that one bad request
         fails by itself. Returns the requests that failed (each finished with an error)."""
         if not reqs:
             return []
         try:
-            self._forward_and_sample(reqs, prefill)
+            self._forward_and_sample(reqs)
             return [r for r in reqs if _failed(r)]
         except Exception as e:
             error = e
@@ -258,21 +262,17 @@ class Engine:
             self._fail(reqs[0], error)
             return reqs
         log.warning("a step of %d requests failed (%s): running each alone", len(reqs), error)
-        return [r for one in reqs for r in self._run([one], prefill)]
+        return [r for one in reqs for r in self._run([one])]
 
-    def _forward_and_sample(self, reqs: list[Request], prefill: bool) -> None:
-        """One forward over ``reqs``; on failure nothing of theirs has changed (random streams
-        included), so they can run again."""
-        if prefill:
-            rows, starts = [r.all_ids for r in reqs], [0] * len(reqs)
-        else:
-            rows, starts = [[r.output_ids[-1]] for r in reqs], [len(r.all_ids) - 1 for r in reqs]
+    def _forward_and_sample(self, reqs: list[Request]) -> None:
+        """One forward over ``reqs``, each feeding the tokens its slot has no KV for yet; on
+        failure nothing of theirs has changed (random streams included), so they can run again."""
+        rows = [r.all_ids[r.cached:] for r in reqs]
         states = [r.generator.get_state() for r in reqs]
         try:
-            t = max(map(len, rows))
-            tokens = torch.tensor([row + [0] * (t - len(row)) for row in rows], dtype=torch.long,
-                                  device=self.device)
-            batch = ForwardBatch([r.slot for r in reqs], starts, [len(row) for row in rows], self.device)
+            tokens = torch.tensor([[t for row in rows for t in row]], dtype=torch.long, device=self.device)
+            batch = ForwardBatch([r.slot for r in reqs], [r.cached for r in reqs], [len(row) for row in rows],
+                                 self.device)
             logits = self.model(tokens, batch, self.cache)
             ids, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
             ids, logprobs = ids.tolist(), logprobs.tolist()
@@ -281,6 +281,7 @@ class Engine:
                 r.generator.set_state(state)
             raise
         for r, tok, lp in zip(reqs, ids, logprobs, strict=True):
+            r.cached = len(r.all_ids)
             try:
                 self.scheduler.append_token(r, tok, lp, self.weight_version)
             except Exception as e:  # e.g. a stop-string decode: this request only
@@ -310,6 +311,7 @@ class Engine:
         if r.slot is not None:
             self.cache.release(r.slot)
             r.slot = None
+        r.cached = 0
 
     def _fail(self, r: Request, error: Exception) -> None:
         r.finish_reason = {"type": "abort", "message": f"internal error: {error}", "status_code": 500,
@@ -369,8 +371,8 @@ class Engine:
     def flush_cache(self) -> bool:
         """Allowed only when idle (queued requests don't count while paused), as in SGLang.
 
-        There is no cross-request prefix cache, so there is nothing to free beyond the slots,
-        which belong to running requests.
+        Prompt KV is shared only among running requests (copied into each one's slot), so there is
+        nothing to free beyond the slots, which belong to running requests.
         """
         with self._lock:
             return not self.scheduler.running and (self.paused or not (self.scheduler.waiting or self._inbox))

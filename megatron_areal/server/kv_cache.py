@@ -1,8 +1,11 @@
 """Fixed-memory KV cache: ``num_slots`` sequences of up to ``max_len`` tokens each.
 
 Memory is allocated once at start; a running sequence owns one slot from prefill to finish.
-Slots waste memory on short sequences compared with pages, but keep attention a dense gather,
-which is what a CPU wants.
+Slots waste memory on short sequences compared with pages, but each sequence's keys are one
+strided view ``[kv_heads, length, head_dim]`` of its slot, so attention reads exactly the tokens a
+sequence has, with no gather and no padding (see ``attention``).
+
+Layout ``[layer, slot, kv_head, position, head_dim]``.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from megatron_areal.convert.arch import ModelArch
 class KVCache:
     def __init__(self, arch: ModelArch, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        shape = (arch.num_layers, num_slots, max_len, arch.num_kv_heads, arch.head_dim)
+        shape = (arch.num_layers, num_slots, arch.num_kv_heads, max_len, arch.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots, self.max_len = num_slots, max_len
@@ -43,13 +46,17 @@ class KVCache:
         """Every slot free again; only for when no sequence holds one."""
         self._free = list(range(self.num_slots - 1, -1, -1))
 
-    def write_and_read(self, layer: int, slots: torch.Tensor, starts: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v [B, T, KVH, D] at each row's positions; return keys/values [B, kv_len, KVH, D]."""
-        t = k.shape[1]
-        positions = starts[:, None] + torch.arange(t, device=k.device)[None, :]
-        positions = positions.clamp_(max=self.max_len - 1)  # padded tail of a full-length row
-        rows = slots[:, None].expand_as(positions)
-        self.k[layer][rows, positions] = k
-        self.v[layer][rows, positions] = v
-        return self.k[layer][slots, :kv_len], self.v[layer][slots, :kv_len]
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k/v ``[N, kv_heads, head_dim]``: token i at ``positions[i]`` of slot ``slots[i]``."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
+    def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``0 .. length-1`` of a slot: views ``[kv_heads, length, head_dim]``."""
+        return self.k[layer, slot, :, :length], self.v[layer, slot, :, :length]
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Give slot ``dst`` the KV of the first ``length`` positions of slot ``src`` (all layers)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]

@@ -1,4 +1,5 @@
-"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 dense families, with a slot KV cache.
+"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 dense families, over a packed batch
+and a slot KV cache.
 
 Module names mirror the Hugging Face checkpoints, so ``state_dict()`` keys are the HF tensor names
 and weights load (from disk or from the trainer) without a name map.
@@ -11,6 +12,7 @@ from torch import nn
 
 from megatron_areal.convert.arch import ModelArch
 from megatron_areal.model.rope import rope_inv_freq
+from megatron_areal.server.attention import ForwardBatch, packed_attention
 from megatron_areal.server.kv_cache import KVCache
 
 
@@ -57,11 +59,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write_and_read(layer, batch.slots, batch.starts, k, v, batch.kv_len)
-        # [B, H, T, D] x [B, KVH, L, D]; the mask lets query i see keys at positions <= start + i.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=batch.mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        out = packed_attention(q[0], k[0], v[0], cache, layer, batch)  # the batch is one packed row
+        return self.o_proj(out.reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -89,26 +88,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class ForwardBatch:
-    """Rows of one forward pass: row r writes tokens at positions starts[r] .. starts[r]+T-1.
-
-    Rows shorter than T are right-padded; their padded positions write KV beyond the row's
-    length, which no real query sees and which the next real token overwrites.
-    """
-
-    def __init__(self, slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> None:
-        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        self.starts = torch.tensor(starts, dtype=torch.long, device=device)
-        self.lengths = torch.tensor(lengths, dtype=torch.long, device=device)
-        self.t = max(lengths)
-        self.kv_len = max(s + self.t for s in starts)
-        offsets = torch.arange(self.t, device=device)
-        self.positions = self.starts[:, None] + offsets[None, :]  # [B, T]
-        key_pos = torch.arange(self.kv_len, device=device)
-        self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, L]
-        self.last = self.lengths - 1  # index of each row's last real token
-
-
 class CausalLM(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -128,12 +107,12 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """tokens [B, T] -> fp32 logits of each row's last real token, [B, vocab]."""
+        """tokens [1, N] (the batch's rows packed) -> fp32 logits of each row's last token, [rows, vocab]."""
         x = self.model.embed_tokens(tokens)
         freqs = batch.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, batch)
-        last = x[torch.arange(x.shape[0], device=x.device), batch.last]
+        last = x[0, batch.last]
         return F.linear(self.model.norm(last), self.output_weight()).float()

@@ -3,6 +3,10 @@
 Pure bookkeeping, no tensors: the engine asks for a plan, runs the model and reports tokens back.
 A request holds a KV slot from its prefill until it finishes, is aborted or is retracted (sent
 back to the queue with its tokens so far, to be prefilled again, e.g. under new weights).
+
+Requests with the same prompt (the n samples of one request, the samples of a group sent one by
+one) prefill it once: the first is admitted alone, and the others, admitted while it runs, copy
+its prompt KV (see ``Plan.shares``) and compute only the prompt's last token.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
     slot: int | None = None
+    cached: int = 0  # leading tokens of all_ids whose KV is in the slot
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
@@ -41,6 +46,8 @@ class Request:
 class Plan:
     prefill: list[Request]
     decode: list[Request]
+    # (donor, request, n): the request starts from the first n positions of the running donor's KV
+    shares: list[tuple[Request, Request, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -57,17 +64,37 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def plan(self, free_slots: int) -> Plan:
-        """Admit queued requests while slots and the padded prefill budget allow."""
-        decode = list(self.running)
-        prefill: list[Request] = []
-        longest = 0
-        while self.waiting and len(prefill) < free_slots:
-            n = len(self.waiting[0].all_ids)
-            if prefill and max(longest, n) * (len(prefill) + 1) > self.max_prefill_tokens:
+        """Admit queued requests in order while slots and the prefill token budget allow.
+
+        A request whose prompt a running request holds shares that prompt's KV; one whose prompt
+        is being prefilled in this very plan waits a step for it (it keeps its place in the queue).
+        """
+        holders = {tuple(r.prompt_ids): r for r in self.running}
+        plan = Plan(prefill=[], decode=list(self.running))
+        prefilling: set[tuple[int, ...]] = set()
+        kept: deque[Request] = deque()
+        tokens = 0
+        while self.waiting and len(plan.prefill) < free_slots:
+            r = self.waiting.popleft()
+            prompt = tuple(r.prompt_ids)
+            donor = holders.get(prompt)
+            if donor is None and prompt in prefilling:
+                kept.append(r)
+                continue
+            shared = min(len(prompt), len(r.all_ids) - 1, donor.cached) if donor is not None else 0
+            cost = len(r.all_ids) - shared
+            if plan.prefill and tokens + cost > self.max_prefill_tokens:
+                kept.append(r)
                 break
-            longest = max(longest, n)
-            prefill.append(self.waiting.popleft())
-        return Plan(prefill=prefill, decode=decode)
+            tokens += cost
+            plan.prefill.append(r)
+            if shared > 0:
+                plan.shares.append((donor, r, shared))
+            elif donor is None:
+                prefilling.add(prompt)
+        kept.extend(self.waiting)
+        self.waiting = kept
+        return plan
 
     def append_token(self, req: Request, token: int, logprob: float, version: str) -> bool:
         """Record a generated token; returns True when the request is finished."""
