@@ -6,7 +6,7 @@ import logging
 import sys
 
 COMMANDS = {
-    "train": ("megatron_areal.train", "the main job: asynchronous RL (train CONFIG.yaml [key=value ...])"),
+    "train": ("megatron_areal.launch.cli", "the main job: asynchronous RL (train CONFIG.yaml [key=value ...])"),
     "serve": ("megatron_areal.server.cli", "the embedded SGLang-compatible rollout server"),
     "convert": ("megatron_areal.convert.cli", "HF <-> Megatron checkpoint conversion"),
     "score": ("megatron_areal.convert.score", "per-token logprobs of token sequences under the Megatron model"),

@@ -105,15 +105,15 @@ def test_truncate_after_keeps_records_at_or_before_the_step(tmp_path):
 def test_resumed_run_reads_back_its_before_accuracy(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from megatron_areal import trainer
+    from megatron_areal.trainer import rank0
 
     _abandoned_run(tmp_path, last=4)
-    cfg = SimpleNamespace(train=SimpleNamespace(run_dir=str(tmp_path)))
+    duties = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(run_dir=str(tmp_path))))
     calls = []
-    monkeypatch.setattr(trainer, "_evaluate", lambda *a: calls.append(a) or 0.5)
-    assert trainer._before_accuracy(None, cfg, [], 3) == 0.25  # resumed: read back, not re-evaluated
+    monkeypatch.setattr(rank0, "evaluate_held_out", lambda *a: calls.append(a) or 0.5)
+    assert rank0.before_accuracy(duties, 3) == 0.25  # resumed: read back, not re-evaluated
     assert calls == []
-    assert trainer._before_accuracy(None, cfg, [], 0) == 0.5  # a run at step 0 evaluates
+    assert rank0.before_accuracy(duties, 0) == 0.5  # a run at step 0 evaluates
     assert len(calls) == 1 and calls[0][-1] == "before"
     assert read_eval(tmp_path / "missing", "before") is None
 

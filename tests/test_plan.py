@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron_areal.config import load_config
+from megatron_areal.launch.cli import main as train_main
 from megatron_areal.launch.plan import Plan
 from megatron_areal.launch.slurm import expand_hostlist, plan_allocation
-from megatron_areal.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"1.5b": 16, "7b": 24, "32b": 64}  # script -> the node count its documentation describes

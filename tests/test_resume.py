@@ -84,7 +84,7 @@ def trainer_of(launcher: subprocess.Popen) -> tuple[psutil.Process, list[psutil.
     """The trainer process and every process below the launcher (servers, trainer, its workers)."""
     launcher_proc = psutil.Process(launcher.pid)
     # Only a direct child: the trainer's forked workers (reward pool) carry the same command line.
-    trainers = [p for p in launcher_proc.children() if "megatron_areal.launch.trainer_main" in _cmdline(p)]
+    trainers = [p for p in launcher_proc.children() if "megatron_areal.trainer" in _cmdline(p)]
     procs = launcher_proc.children(recursive=True)
     assert len(trainers) == 1, [_cmdline(p) for p in procs]
     return trainers[0], procs

@@ -110,7 +110,8 @@ def test_scancel_midway_leaves_no_process(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "no step trained:\n" + logs_of(run_dir)
         time.sleep(0.5)
     running = [" ".join(p.cmdline()) for p in job_processes(job)]
-    assert any("megatron_areal.cli serve" in c for c in running) and any("trainer_main" in c for c in running)
+    assert any("megatron_areal.cli serve" in c for c in running)
+    assert any("-m megatron_areal.trainer " in c for c in running)
     subprocess.run(["scancel", job], check=True)
     wait_state(job, {"CANCELLED"}, 60)
     deadline = time.monotonic() + 60  # SIGTERM, then SIGKILL after the cluster's KillWait (10 s)

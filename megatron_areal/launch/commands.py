@@ -2,7 +2,7 @@
 
 - a rollout server: ``megatron-areal serve`` (embedded engine) or the SGLang launcher, bound to
   the address the plan gives it and registering into ``RUN_DIR/servers``;
-- a trainer node: ``torch.distributed.run`` over ``megatron_areal.launch.trainer_main`` (a single
+- a trainer node: ``torch.distributed.run`` over ``megatron_areal.trainer`` (a single
   plain process when the whole trainer is one rank).
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def weight_group_address(plan: Plan, node_rank: int, config_path: str, overrides
 
 def trainer_command(plan: Plan, node_rank: int, config_path: str, overrides: list[str], plan_path: Path) -> list[str]:
     overrides = [*weight_group_address(plan, node_rank, config_path, overrides), *overrides]
-    entry = ["-m", "megatron_areal.launch.trainer_main", "--plan", str(plan_path), config_path, *overrides]
+    entry = ["-m", "megatron_areal.trainer", "--plan", str(plan_path), config_path, *overrides]
     t = plan.trainer
     if t.world_size == 1:
         return [sys.executable, *entry]

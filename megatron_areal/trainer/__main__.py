@@ -1,6 +1,6 @@
 """Entry point of every trainer rank (run under torchrun, or alone for a world of one).
 
-``python -m megatron_areal.launch.trainer_main --plan RUN_DIR/plan.json CONFIG [key=value ...]``
+``python -m megatron_areal.trainer --plan RUN_DIR/plan.json CONFIG [key=value ...]``
 waits for the rollout servers of the plan to register, then hands over to the training loop. The API
 key comes from ``MEGATRON_AREAL_API_KEY`` (launch/secrets.py); SIGUSR1 asks for a checkpoint and a stop.
 """
@@ -33,7 +33,7 @@ def _checkpoint_on_usr1(run_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron_areal.launch.trainer_main")
+    parser = argparse.ArgumentParser(prog="python -m megatron_areal.trainer")
     parser.add_argument("--plan", required=True, help="the plan the launcher wrote (RunDir.plan)")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan.load(args.plan)
     urls = wait_for_servers(RunDir.of(cfg).resolved().servers, list(plan.servers),
                             cfg.server.startup_timeout_s)
-    from megatron_areal.trainer import run_trainer  # heavy (Megatron); imported once the servers are up
+    from megatron_areal.trainer.loop import run_trainer  # heavy (Megatron); imported once the servers are up
 
     run_trainer(cfg, urls)
     return 0

@@ -1,0 +1,62 @@
+"""The training loop every trainer rank runs.
+
+    take the oldest admissible batch -> proximal logprobs -> advantages -> decoupled-PPO updates
+    -> push weights to the fleet -> version + 1
+
+Rank 0's extra duties (rollouts, rewards, evaluation, metrics) sit behind ``duties``; on the
+other ranks that object does nothing, so the loop has no rank branches.
+"""
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from megatron_areal.config import Config
+from megatron_areal.launch.control import StepControl
+from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.trainer.policy import Policy
+from megatron_areal.trainer.rank0 import NoDuties, Rank0Duties, StepTimes
+
+
+def run_trainer(cfg: Config, server_urls: list[str]) -> None:
+    policy = Policy.build(cfg, server_urls)
+    rank0 = dist.get_rank() == 0
+    duties = Rank0Duties.build(cfg, policy.hf_dir, policy.weights, policy.version, policy.step,
+                               policy.rollout_state) if rank0 else NoDuties()
+    control = StepControl(policy.run_dir.root, rank0, agree=from_rank0)
+    stopped_on_request = False
+    try:
+        duties.start(policy.step)
+        while not policy.done:
+            start = time.monotonic()
+            batch = broadcast_batch(duties.take_batch())
+            batch_in = time.monotonic()
+            stats = policy.train(batch)
+            times = StepTimes(start, batch_in, time.monotonic())
+            duties.hold_generation()
+            sync = policy.push(duties.rollout_state)
+            duties.after_step(policy.step, policy.version, batch, stats, times, sync)
+            if policy.checkpoint_due():
+                policy.save(duties.rollout_state)
+            if not policy.done and control.stop_after(policy.step, save=lambda: policy.save(duties.rollout_state)):
+                stopped_on_request = True
+                break
+        duties.finish(policy.step, stopped_on_request)
+    finally:
+        duties.close()
+        policy.close()
+
+
+def broadcast_batch(batch: list[Trajectory] | None, src: int = 0) -> list[Trajectory]:
+    """Give every rank the batch that rank 0 took (each rank then packs its own DP share)."""
+    payload = [[t.to_dict() for t in batch] if batch is not None else None]
+    dist.broadcast_object_list(payload, src=src)
+    return [Trajectory.from_dict(d) for d in payload[0]]
+
+
+def from_rank0(decision: str | None) -> str:
+    """Rank 0's decision at a step boundary, on every rank."""
+    payload = [decision]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]

@@ -1,0 +1,196 @@
+"""Rank 0's duties besides training, behind one object: every other rank holds ``NoDuties``.
+
+Rank 0 runs the rollout controller (a background asyncio thread that keeps the servers busy), the
+reward pool, the held-out evaluation, the metrics and the ledger of trained samples. The training
+loop calls the same methods on every rank; on the others they do nothing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_areal.config import Config
+from megatron_areal.ledger import TrainedLedger
+from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.rundir import RunDir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_areal.data.prompt import Prompt
+    from megatron_areal.metrics import MetricsWriter
+    from megatron_areal.realloc.sync import SyncResult, WeightSync
+    from megatron_areal.reward import RewardService
+    from megatron_areal.rollout.controller import RolloutController
+
+logger = logging.getLogger(__name__)
+
+BATCH_TIMEOUT_S = 3600.0  # a batch that takes longer than this means the fleet is stuck
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Monotonic clock at the start of a step, once its batch was in, and once it was trained."""
+
+    start: float
+    batch_in: float
+    trained: float
+
+
+class NoDuties:
+    """The duties of a rank other than 0: none (the loop calls the same methods everywhere)."""
+
+    def start(self, step: int) -> None: ...
+
+    def take_batch(self) -> list[Trajectory] | None:
+        return None
+
+    def hold_generation(self) -> None: ...
+
+    def after_step(self, step: int, version: int, batch: list[Trajectory], stats: dict[str, float],
+                   times: StepTimes, sync: SyncResult) -> None: ...
+
+    def rollout_state(self) -> dict[str, Any] | None:
+        return None
+
+    def finish(self, step: int, stopped_on_request: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Rank0Duties:
+    """Rank 0: the rollout controller, the reward pool, the tokenizer, the eval set, the metrics and
+    the ledger; the fleet is what the weight path holds, so a server it drops gets no rollouts or
+    evaluations."""
+
+    cfg: Config
+    weights: WeightSync
+    controller: RolloutController
+    rewards: RewardService
+    tokenizer: PreTrainedTokenizerBase
+    eval_prompts: list[Prompt]
+    metrics: MetricsWriter
+    ledger: TrainedLedger
+    before: float | None = None
+
+    @classmethod
+    def build(cls, cfg: Config, hf_dir: Path, weights: WeightSync, version: int, step: int,
+              rollout_state: dict | None) -> Rank0Duties:
+        from transformers import AutoTokenizer
+
+        from megatron_areal.data.stream import PromptStream
+        from megatron_areal.data.tasks import load_datasets
+        from megatron_areal.data.template import encode_prompt
+        from megatron_areal.metrics import MetricsWriter
+        from megatron_areal.reward import RewardService
+        from megatron_areal.rollout.controller import RolloutController
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        train_prompts, eval_prompts = load_datasets(cfg.data)
+        stream = PromptStream(train_prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        rewards = RewardService(cfg.reward, tasks={p.task for p in train_prompts + eval_prompts})
+        controller = RolloutController(
+            cfg.rollout, cfg.staleness, list(weights.servers), stream,
+            encode=lambda p: encode_prompt(tokenizer, p, cfg.data.chat_template),
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            scorer=rewards, api_key=cfg.server.api_key, version=version)
+        if rollout_state is not None:
+            controller.load_state_dict(rollout_state)
+        metrics = MetricsWriter(cfg.train.run_dir, total_steps=cfg.train.steps, start_step=step,
+                                tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
+        ledger = TrainedLedger(RunDir.of(cfg).trained, resume_step=step)
+        return cls(cfg, weights, controller, rewards, tokenizer, eval_prompts, metrics, ledger)
+
+    def start(self, step: int) -> None:
+        self.before = before_accuracy(self, step)
+        self.controller.start()
+        self.weights.on_drop = self.controller.drop_server
+        self.weights.on_join = self.controller.add_server  # a dropped server back (restarted), with current weights
+
+    def take_batch(self) -> list[Trajectory]:
+        return self.controller.get_batch(BATCH_TIMEOUT_S)
+
+    def hold_generation(self) -> None:
+        """Hold new groups and re-posts; the weight mover pauses the servers itself."""
+        self.controller.pause_generation(pause_servers=False)
+
+    def after_step(self, step: int, version: int, batch: list[Trajectory], stats: dict[str, float],
+                   times: StepTimes, sync: SyncResult) -> None:
+        self.controller.resume_generation(version, resume_servers=False)
+        self.ledger.record(step, version, batch)
+        self.metrics.advance(step, step_metrics(stats, self.controller.metrics(), times, sync))
+        every, steps = self.cfg.train.eval_every, self.cfg.train.steps
+        if every and step % every == 0 and step < steps:
+            evaluate_held_out(self, step, "during")
+
+    def rollout_state(self) -> dict[str, Any]:
+        return self.controller.state_dict()
+
+    def finish(self, step: int, stopped_on_request: bool) -> None:
+        if not stopped_on_request:  # a run stopped to requeue spends no time on the final eval
+            self.controller.stop()
+            after = evaluate_held_out(self, step, "after")
+            if self.before is not None and after is not None:
+                logger.info("held-out accuracy %.1f%% -> %.1f%% (%+.1f points) over %d steps", 100 * self.before,
+                            100 * after, 100 * (after - self.before), step)
+        w = self.weights
+        if w.readmitted or w.lost:
+            logger.warning("rollout servers: %d re-admitted after a restart (rollout/server_restarts), %d still "
+                           "out at the end%s", w.readmitted, len(w.lost),
+                           f" ({', '.join(w.lost)})" if w.lost else "")
+
+    def close(self) -> None:
+        self.controller.stop()
+        self.rewards.close()
+        self.metrics.close()
+
+
+def evaluate_held_out(duties: Rank0Duties, step: int, label: str) -> float | None:
+    """Accuracy on the held-out prompts with the servers' current weights, logged and recorded."""
+    from megatron_areal.evaluate import evaluate
+    from megatron_areal.metrics import append_eval
+
+    cfg = duties.cfg
+    if not duties.eval_prompts:
+        return None
+    result = evaluate(list(duties.weights.servers), duties.eval_prompts, duties.tokenizer, duties.rewards,
+                      max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template,
+                      api_key=cfg.server.api_key)
+    duties.metrics.log(step, result.as_metrics())
+    logger.info("eval %s (step %d): accuracy %.1f%% on %d held-out prompts of %s (%.0f s)", label, step,
+                100 * result.accuracy, result.n, cfg.data.eval, result.seconds)
+    append_eval(cfg.train.run_dir, {"step": step, "label": label, "accuracy": result.accuracy, "n": result.n})
+    return result.accuracy
+
+
+def before_accuracy(duties: Rank0Duties, step: int) -> float | None:
+    """The base model's held-out accuracy, for the closing before -> after summary: a run starting
+    at step 0 evaluates it; a resumed run reads back what its first run recorded in eval.jsonl."""
+    from megatron_areal.metrics import read_eval
+
+    if step == 0:
+        return evaluate_held_out(duties, step, "before")
+    return read_eval(duties.cfg.train.run_dir, "before")
+
+
+def step_metrics(stats: dict[str, float], rollout: dict[str, float], times: StepTimes,
+                 sync: SyncResult) -> dict[str, float]:
+    step_s = time.monotonic() - times.start
+    wait_s, train_s = times.batch_in - times.start, times.trained - times.batch_in
+    out = {f"train/{k}": v for k, v in stats.items() if k != "tokens_per_s"}
+    out.update(rollout)
+    out.update({
+        # trained tokens per second of wall time (the run's throughput), and while computing
+        "perf/train_tokens_per_s": stats.get("tokens", 0.0) / max(step_s, 1e-9),
+        "perf/train_compute_tokens_per_s": stats.get("tokens", 0.0) / max(train_s, 1e-9),
+        "perf/weight_sync_s": sync.seconds,
+        "perf/weight_sync_mb": sync.bytes_sent / 1e6,
+        "perf/step_time_s": step_s,
+        "perf/batch_wait_s": wait_s,
+        "perf/trainer_idle_fraction": wait_s / max(step_s, 1e-9),
+    })
+    return out
