@@ -1,8 +1,8 @@
 """Held-out accuracy: greedy answers from rollout servers, scored by the reward service.
 
 ``megatron-areal eval --model MODEL --task arithmetic-eval`` starts an embedded server on the
-model (or uses ``--url``) and prints the accuracy; the trainer calls ``evaluate`` on its own
-fleet before, during and after a run.
+model (or uses ``--url``) and prints the accuracy; the trainer calls ``evaluate`` on its shared
+``Fleet`` before, during and after a run.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_areal.data.prompt import Prompt
 from megatron_areal.data.template import encode_prompt
+from megatron_areal.rollout.fleet import Fleet
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +32,9 @@ class EvalResult:
         return {"eval/accuracy": self.accuracy, "eval/response_tokens": self.mean_response_tokens}
 
 
-async def _answer_all(urls: list[str], prompt_ids: list[list[int]], max_new_tokens: int, api_key: str | None,
-                      concurrency: int, stop_token_ids: list[int]) -> list[list[int]]:
-    from megatron_areal.rollout.client import RolloutClient
-
-    clients = [RolloutClient(url, api_key=api_key) for url in urls]
+async def _answer_all(fleet: Fleet, prompt_ids: list[list[int]], max_new_tokens: int, concurrency: int,
+                      stop_token_ids: list[int]) -> list[list[int]]:
+    clients = [slot.client for slot in fleet.routing.slots]  # every member, on the fleet's loop
     limit = asyncio.Semaphore(concurrency * len(clients))
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids}
 
@@ -43,20 +42,17 @@ async def _answer_all(urls: list[str], prompt_ids: list[list[int]], max_new_toke
         async with limit:
             return (await clients[i % len(clients)].generate(ids, params)).output_ids
 
-    try:
-        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompt_ids)))
-    finally:
-        await asyncio.gather(*(c.close() for c in clients))
+    return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompt_ids)))
 
 
-def evaluate(urls: list[str], prompts: list[Prompt], tokenizer: Any, rewards: Any, *, max_new_tokens: int,
-             chat_template: bool = True, api_key: str | None = None, concurrency: int = 64) -> EvalResult:
-    """Greedy-decode every prompt on the servers and score the replies with ``rewards``
-    (a ``RewardService``). Runs its own event loop; call it from a plain thread."""
+def evaluate(fleet: Fleet, prompts: list[Prompt], tokenizer: Any, rewards: Any, *, max_new_tokens: int,
+             chat_template: bool = True, concurrency: int = 64) -> EvalResult:
+    """Greedy-decode every prompt on the fleet's members and score the replies with ``rewards``
+    (a ``RewardService``). Call it from a plain thread (it waits on the fleet's loop)."""
     start = time.monotonic()
     prompt_ids = [encode_prompt(tokenizer, p, chat_template) for p in prompts]
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    outputs = asyncio.run(_answer_all(urls, prompt_ids, max_new_tokens, api_key, concurrency, stop))
+    outputs = fleet.run(_answer_all(fleet, prompt_ids, max_new_tokens, concurrency, stop))
     correct = 0
     for prompt, out in zip(prompts, outputs, strict=True):
         text = tokenizer.decode(out, skip_special_tokens=True)
@@ -90,13 +86,21 @@ def main(argv: list[str]) -> int:
     prompts = load_task(args.task, size=args.size)
     with RewardService(RewardConfig()) as rewards:
         if args.url:
-            result = evaluate(args.url, prompts, tokenizer, rewards, max_new_tokens=args.max_new_tokens,
-                              chat_template=not args.no_chat_template, api_key=args.api_key)
+            result = _evaluate_on(args.url, args.api_key, prompts, tokenizer, rewards, args)
         else:
             with start_embedded(model, threads=2) as server:
-                result = evaluate([server.url], prompts, tokenizer, rewards, max_new_tokens=args.max_new_tokens,
-                                  chat_template=not args.no_chat_template)
+                result = _evaluate_on([server.url], None, prompts, tokenizer, rewards, args)
     print(json.dumps({"task": args.task, "model": str(model), "accuracy": result.accuracy, "n": result.n,
                       "mean_response_tokens": round(result.mean_response_tokens, 1),
                       "seconds": round(result.seconds, 1)}))
     return 0
+
+
+def _evaluate_on(urls: list[str], api_key: str | None, prompts: list[Prompt], tokenizer: Any, rewards: Any,
+                 args: argparse.Namespace) -> EvalResult:
+    fleet = Fleet(urls, api_key=api_key)
+    try:
+        return evaluate(fleet, prompts, tokenizer, rewards, max_new_tokens=args.max_new_tokens,
+                        chat_template=not args.no_chat_template)
+    finally:
+        fleet.close()

@@ -125,8 +125,8 @@ class LaunchLabelServer(FakeServer):
         return web.json_response({"weight_version": "default"})
 
 
-def _loop(urls: list[str], version: int) -> RolloutLoop:
-    return RolloutLoop(RolloutConfig(batch_size=4, group_size=2, max_new_tokens=8), 1, urls, ListPrompts(10),
+def _loop(version: int) -> RolloutLoop:
+    return RolloutLoop(RolloutConfig(batch_size=4, group_size=2, max_new_tokens=8), 1, ListPrompts(10),
                        encode, decode, ParityScorer(), version=version)
 
 
@@ -145,12 +145,12 @@ def test_restarted_server_on_base_weights_is_not_current_after_a_resume():
     fleet = FakeFleet([LaunchLabelServer(seed=0), FakeServer(seed=1, version=3)])
     base, updated = fleet.urls
     try:
-        assert _holds(_loop(fleet.urls, 0), base)  # a run that has not trained: the base is current
-        resumed = _loop(fleet.urls, 3)  # the trainer passes the checkpoint's version
+        assert _holds(_loop(0), base)  # a run that has not trained: the base is current
+        resumed = _loop(3)  # the trainer passes the checkpoint's version
         assert not _holds(resumed, base)
         assert _holds(resumed, updated)
         assert resumed._parse_version("default") == 0  # its samples read as base-weights samples
-        restored = _loop(fleet.urls, 0)  # the controller's own resume path
+        restored = _loop(0)  # the controller's own resume path
         restored.load_state_dict(resumed.state_dict())
         assert restored.version == 3 and not _holds(restored, base)
     finally:

@@ -89,11 +89,11 @@ def test_stage_link_meets_sglang_receivers_bitwise(receivers: list[ReceiverProce
     """Our group (rank 0) + SGLang's ``init_custom_process_group`` on the servers: every tensor
     arrives bitwise, through SGLang's own bucket reconstruction."""
     from megatron_areal.realloc.buckets import pack_buckets
-    from megatron_areal.realloc.fleet import ServerPool
     from megatron_areal.realloc.link import StageLink
+    from megatron_areal.rollout.fleet import Fleet
 
     tensors = mixed_tensors()
-    pool = ServerPool(timeout_s=60)
+    pool = Fleet(control_timeout_s=60)
     link = StageLink(pool, {r.url: 1 for r in receivers}, stage=0, generation=1, master_address="127.0.0.1",
                      backend="gloo", timeout_s=60)
     try:

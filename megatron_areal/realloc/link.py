@@ -16,8 +16,8 @@ import torch
 
 from megatron_areal.netutil import free_port
 from megatron_areal.realloc.buckets import Bucket
-from megatron_areal.realloc.fleet import ServerPool, wait_all
 from megatron_areal.realloc.group import WeightUpdateGroup
+from megatron_areal.rollout.fleet import Fleet, wait_all
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,9 @@ class Member:
 class StageLink:
     """The head side of one stage's group with a fixed set of servers."""
 
-    def __init__(self, pool: ServerPool, servers: dict[str, int], *, stage: int, generation: int,
+    def __init__(self, fleet: Fleet, servers: dict[str, int], *, stage: int, generation: int,
                  master_address: str, backend: str, timeout_s: float, device: torch.device | None = None) -> None:
-        self.pool, self.stage, self.timeout_s = pool, stage, timeout_s
+        self.fleet, self.stage, self.timeout_s = fleet, stage, timeout_s
         offset, members = 1, []
         for url, tp in servers.items():
             members.append(Member(url, tp, offset))
@@ -59,7 +59,7 @@ class StageLink:
     def form(self) -> dict[str, str]:
         """Rendezvous with every server; returns {url: error} of servers that failed to join."""
         port = free_port(self.master_address)  # a fresh port per group: no stale keys
-        futures = {m.url: self.pool.submit(m.url, lambda c, m=m: c.init_weights_update_group(
+        futures = {m.url: self.fleet.submit(m.url, lambda c, m=m: c.init_weights_update_group(
             master_address=self.master_address, master_port=port, rank_offset=m.rank_offset,
             world_size=self.world_size, group_name=self.group_name, backend=self.backend))
             for m in self.members}
@@ -84,7 +84,7 @@ class StageLink:
         """
         assert self.group is not None, "post() before form()"
         meta = bucket.meta()
-        futures = {url: self.pool.submit(url, lambda c: c.update_weights_from_distributed(
+        futures = {url: self.fleet.submit(url, lambda c: c.update_weights_from_distributed(
             **meta, weight_version=version, group_name=self.group_name, flattened_bucket=bucket.flat,
             timeout_s=self.timeout_s * (len(bucket.payload) + 1))) for url in self.urls}
         try:
@@ -123,7 +123,7 @@ class StageLink:
         self.close_group()
         urls = [u for u in self.urls if u in live]
         start = time.monotonic()
-        errors = self.pool.each(urls, lambda c: c.destroy_weights_update_group(self.group_name),
+        errors = self.fleet.each(urls, lambda c: c.destroy_weights_update_group(self.group_name),
                                 timeout_s=min(self.timeout_s, 30.0))
         for message in errors.values():
             log.warning("stage %d: destroying %s: %s", self.stage, self.group_name, message)

@@ -26,8 +26,8 @@ from megatron_areal.model.arch import ModelArch
 from megatron_areal.realloc.buckets import Bucket, hf_buckets
 from megatron_areal.realloc.config import ReallocConfig
 from megatron_areal.realloc.disk import prune_versions, write_hf_folder
-from megatron_areal.realloc.fleet import ServerPool
 from megatron_areal.realloc.link import Pending, StageLink
+from megatron_areal.rollout.fleet import Fleet, normalize_url
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,6 @@ class _Outcome:
     reply_seconds: float = 0.0
 
 
-def normalize_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url if "://" in url else "http://" + url
-
-
 def _is_int(label: str) -> bool:
     try:
         int(label)
@@ -94,8 +89,9 @@ class WeightSync:
     Rank 0 pauses the fleet and decides which servers are alive; each pipeline stage's head, in
     turn, forms (or reuses) its weight-update group with the servers and streams its stage in HF
     layout, bucket by bucket; the other ranks help with the TP gathers or wait; rank 0 resumes the
-    fleet. ``servers`` is the fleet as the weight path knows it: ``on_drop`` / ``on_join`` tell the
-    rollout controller when a server leaves or is re-admitted with the current weights.
+    fleet. ``servers`` is the membership every rank agrees on; rank 0 drops and re-admits servers in
+    ``fleet`` too (the ``Fleet`` the rollout controller routes over, when the trainer shares it), so
+    a dropped server gets no more rollouts. ``on_drop`` / ``on_join`` are told as well (observers).
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups,
@@ -104,7 +100,7 @@ class WeightSync:
                  control_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
                  on_bucket: Callable[[int, Bucket], None] | None = None,
                  on_drop: Callable[[str, str], None] | None = None,
-                 on_join: Callable[[str], None] | None = None) -> None:
+                 on_join: Callable[[str], None] | None = None, fleet: Fleet | None = None) -> None:
         self.chunks, self.arch, self.groups = list(chunks), arch, groups
         self.config = config or ReallocConfig()
         self.config.validate()
@@ -124,7 +120,10 @@ class WeightSync:
         self.version: str | None = None
         self.master_address = self.config.master_address or default_master_address()
         self.backend = "nccl" if groups.backend == "nccl" else "gloo"
-        self.pool = ServerPool(api_key, self.config.timeout_s) if (self.is_head or self.rank0) else None
+        # rank 0 may be handed the trainer's shared fleet (closed by its owner); a stage head makes its own
+        self._own_fleet = fleet is None
+        self.fleet = fleet if fleet is not None else (
+            Fleet(api_key=api_key, control_timeout_s=self.config.timeout_s) if (self.is_head or self.rank0) else None)
         self._link: StageLink | None = None
         self._generation = 0
 
@@ -178,8 +177,8 @@ class WeightSync:
         Returns the urls re-admitted."""
         back: dict[str, str] = {}
         if self.rank0 and self.lost:
-            assert self.pool is not None
-            back = {u: "" for u, ok in self.pool.alive(list(self.lost)).items() if ok}
+            assert self.fleet is not None
+            back = {u: "" for u, ok in self.fleet.alive(list(self.lost)).items() if ok}
         back = self._from_rank0(back)
         joined = []
         for url in back:
@@ -194,35 +193,37 @@ class WeightSync:
             joined.append(url)
             log.warning("rollout server %s re-admitted with weights v%s (%d re-admissions in this run)", url,
                         self.version, self.readmitted)
-            if self.rank0 and self.on_join is not None:
-                self.on_join(url)
+            if self.rank0:
+                self.fleet.join(url)
+                if self.on_join is not None:
+                    self.on_join(url)
         return joined
 
     def close(self) -> None:
         if self._link is not None:
             self._link.destroy(list(self.servers))
             self._link = None
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        if self.fleet is not None and self._own_fleet:
+            self.fleet.close()
+        self.fleet = None
 
     # ---- steps (each collective over the control group) ----------------------------------
     def _pause(self, urls: list[str]) -> dict[str, str]:
         """Rank 0 pauses the servers; dead ones are dropped. Returns {url: error} of the dropped."""
         errors: dict[str, str] = {}
         if self.rank0:
-            assert self.pool is not None
+            assert self.fleet is not None
             mode = self.config.pause_mode
-            errors = self.pool.each(urls, lambda c: c.pause(mode))
+            errors = self.fleet.each(urls, lambda c: c.pause(mode))
             alive = [u for u in urls if u not in errors]
-            errors.update(self.pool.each(alive, lambda c: c.begin_weight_update()))
+            errors.update(self.fleet.each(alive, lambda c: c.begin_weight_update()))
         return self._drop_dead(errors)
 
     def _resume(self, urls: list[str]) -> None:
         if self.rank0 and urls:
-            assert self.pool is not None
-            failed = self.pool.each(urls, lambda c: c.end_weight_update())
-            failed.update(self.pool.each(urls, lambda c: c.resume()))
+            assert self.fleet is not None
+            failed = self.fleet.each(urls, lambda c: c.end_weight_update())
+            failed.update(self.fleet.each(urls, lambda c: c.resume()))
             for message in failed.values():  # a server lost here is found by the next sync's pause
                 log.error("continuing generation failed: %s", message)
 
@@ -252,8 +253,8 @@ class WeightSync:
         """Rank 0 health-checks the servers named in ``errors``; all ranks drop the dead ones."""
         dead: dict[str, str] = {}
         if self.rank0 and errors:
-            assert self.pool is not None
-            alive = self.pool.alive(list(errors))  # members, or a server being added
+            assert self.fleet is not None
+            alive = self.fleet.alive(list(errors))  # members, or a server being added
             dead = {u: errors[u] for u, ok in alive.items() if not ok}
         return self._forget(self._from_rank0(dead))
 
@@ -265,8 +266,8 @@ class WeightSync:
         takes it back with the current weights. A member that does not answer is left to the pause."""
         found: dict[str, str] = {}
         if self.rank0 and self.version is not None and self.servers:
-            assert self.pool is not None
-            futures = {u: self.pool.submit(u, lambda c: c.weight_version()) for u in self.servers}
+            assert self.fleet is not None
+            futures = {u: self.fleet.submit(u, lambda c: c.weight_version()) for u in self.servers}
             deadline = time.monotonic() + 10.0
             for url, future in futures.items():
                 try:
@@ -283,8 +284,10 @@ class WeightSync:
         for url, message in dead.items():
             log.error("dropping rollout server %s: %s", url, message)
             self.lost[url] = self.servers.pop(url, None) or self.lost.get(url) or self.server_tp
-            if self.rank0 and self.on_drop is not None:
-                self.on_drop(url, message)
+            if self.rank0:
+                self.fleet.drop(url, message)
+                if self.on_drop is not None:
+                    self.on_drop(url, message)
         return dead
 
     def _push(self, version: str, servers: dict[str, int], temporary: bool = False) -> _Outcome:
@@ -361,8 +364,8 @@ class WeightSync:
             self._link.destroy(list(servers))
             self._link = None
         self._generation += 1
-        assert self.pool is not None
-        link = StageLink(self.pool, servers, stage=self.groups.pp_rank, generation=self._generation,
+        assert self.fleet is not None
+        link = StageLink(self.fleet, servers, stage=self.groups.pp_rank, generation=self._generation,
                          master_address=self.master_address, backend=self.backend,
                          timeout_s=self.config.timeout_s, device=self.groups.device)
         errors = link.form()
@@ -381,8 +384,8 @@ class WeightSync:
                                  dtype=self.dtype)
         local = _Outcome()
         if self.rank0:
-            assert self.pool is not None
-            local.errors = self.pool.each(urls, lambda c: c.update_weights_from_disk(
+            assert self.fleet is not None
+            local.errors = self.fleet.each(urls, lambda c: c.update_weights_from_disk(
                 str(folder), weight_version=version, timeout_s=self.config.timeout_s))
             local.bytes_sent = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
             local.buckets = len(list(folder.glob("*.safetensors")))

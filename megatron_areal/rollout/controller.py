@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
+from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.rollout.loop import RolloutError, RolloutLoop
 from megatron_areal.rollout.sources import PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate
@@ -37,16 +37,22 @@ CONTROL_TIMEOUT_S = 300.0
 
 
 class RolloutController:
-    def __init__(self, rollout: RolloutConfig, staleness: StalenessConfig, server_urls: list[str],
+    """Rollouts on ``servers``: trainer rank 0's shared ``Fleet`` (the weight path drops and re-admits
+    its members), or a list of URLs, for which the controller holds a fleet of its own from
+    ``start`` to ``stop``. The core runs on the fleet's event loop."""
+
+    def __init__(self, rollout: RolloutConfig, staleness: StalenessConfig, servers: Fleet | list[str],
                  prompts: PromptSourceLike, encode: Callable[[PromptLike], list[int]],
                  decode: Callable[[list[int]], str], scorer: ScorerLike, *, api_key: str | None = None,
                  version: int = 0) -> None:
         if not staleness.overlap and staleness.eta != 0:
             raise ValueError("staleness.overlap = false (synchronous mode) requires staleness.eta = 0")
-        self._core = RolloutLoop(rollout, staleness.eta, server_urls, prompts, encode, decode, scorer,
-                                 api_key=api_key, version=version)
+        if not (servers.urls if isinstance(servers, Fleet) else servers):
+            raise ValueError("RolloutController: no rollout server URLs given")
+        self._core = RolloutLoop(rollout, staleness.eta, prompts, encode, decode, scorer, version=version)
+        self._servers, self._api_key = servers, api_key
+        self._fleet: Fleet | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def gate(self) -> StalenessGate:
@@ -59,27 +65,28 @@ class RolloutController:
     # ----- lifecycle
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._loop is not None:
             raise RuntimeError("RolloutController already started")
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-controller", daemon=True)
-        self._thread.start()
-        self._call(self._core.start(), CONTROL_TIMEOUT_S)
+        servers = self._servers
+        self._fleet = servers if isinstance(servers, Fleet) else Fleet(
+            servers, api_key=self._api_key, request_timeout_s=self._core.cfg.request_timeout_s)
+        self._loop = self._fleet.loop
+        self._call(self._core.start(self._fleet.routing), CONTROL_TIMEOUT_S)
         log.info("rollout controller started: %d servers, batch %d groups x %d samples, eta %d, version %d",
-                 len(self._core.server_urls), self._core.cfg.batch_size, self._core.cfg.group_size,
+                 len(self._fleet.urls), self._core.cfg.batch_size, self._core.cfg.group_size,
                  self._core.eta, self._core.version)
 
     def stop(self) -> None:
-        """Cancel generation (in-flight work is abandoned; a saved state re-queues it) and join."""
-        if self._thread is None:
+        """Cancel generation (in-flight work is abandoned; a saved state re-queues it); a fleet of
+        the controller's own is closed, a shared one stays open."""
+        if self._loop is None:
             return
         try:
             self._call(self._core.close(), CONTROL_TIMEOUT_S)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-            self._thread = self._loop = None
+            if self._fleet is not self._servers:
+                self._fleet.close()
+            self._fleet = self._loop = None
 
     def __enter__(self) -> RolloutController:
         self.start()
@@ -123,13 +130,17 @@ class RolloutController:
         self._call(self._core.resume(new_version, resume_servers), CONTROL_TIMEOUT_S)
 
     def drop_server(self, url: str, reason: str) -> None:
-        """Route nothing more to ``url`` (the weight path dropped it); safe from any thread."""
-        self._run_sync(lambda: self._core.drop_server(url, reason), need_loop=True)
+        """Route nothing more to ``url`` (``Fleet.drop``); from any thread but the fleet's loop."""
+        self._running_fleet().drop(url, reason)
 
     def add_server(self, url: str) -> None:
-        """Route to ``url`` again (the weight path re-admitted it with the current weights); safe
-        from any thread."""
-        self._run_sync(lambda: self._core.add_server(url), need_loop=True)
+        """Route to ``url`` again (``Fleet.join``); from any thread but the fleet's loop."""
+        self._running_fleet().join(url)
+
+    def _running_fleet(self) -> Fleet:
+        if self._fleet is None:
+            raise RuntimeError("RolloutController is not running; call start() first")
+        return self._fleet
 
     def set_version(self, version: int) -> None:
         self._run_sync(lambda: self._core.set_version(version))
@@ -143,6 +154,6 @@ class RolloutController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore before ``start()``: version, buffer, gate counts, dataset position; the prompts
         that were in flight at save time come out of the dataset again first."""
-        if self._thread is not None:
+        if self._loop is not None:
             raise RolloutError("load_state_dict must be called before start()")
         self._core.load_state_dict(state)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_areal.rollout.buffer import Group, PutResult, ReplayBuffer
-from megatron_areal.rollout.client import RolloutClient, ServerError
+from megatron_areal.rollout.client import ServerError
 from megatron_areal.rollout.config import RolloutConfig
 from megatron_areal.rollout.metrics import ThroughputWindow, batch_stats
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser, generate_sample
@@ -43,13 +43,10 @@ class RolloutLoop:
     capacity of groups in flight on the fleet, scores finished samples, and fills the replay
     buffer the trainer takes batches from. ``RolloutController`` is its thread-safe front."""
 
-    def __init__(self, cfg: RolloutConfig, eta: int, server_urls: list[str], prompts: PromptSourceLike,
+    def __init__(self, cfg: RolloutConfig, eta: int, prompts: PromptSourceLike,
                  encode: Callable[[PromptLike], list[int]], decode: Callable[[list[int]], str],
-                 scorer: ScorerLike, *, api_key: str | None = None, version: int = 0) -> None:
-        if not server_urls:
-            raise ValueError("RolloutLoop: no rollout server URLs given")
+                 scorer: ScorerLike, *, version: int = 0) -> None:
         self.cfg, self.eta = cfg, eta
-        self.server_urls, self.api_key = list(server_urls), api_key
         self.prompts, self.encode, self.decode, self.scorer = prompts, encode, decode, scorer
         self.version = version
         self.gate = StalenessGate(eta, cfg.batch_size, cfg.max_concurrent, version)
@@ -72,13 +69,12 @@ class RolloutLoop:
 
     # ----- lifecycle (on the loop)
 
-    async def start(self) -> None:
+    async def start(self, pool: ServerPool) -> None:
+        """Route over ``pool`` (a ``Fleet``'s members, which the fleet keeps and closes)."""
         self._running, self._changed = asyncio.Event(), Signal()
         self._running.set()
         self._window = ThroughputWindow()
-        clients = [RolloutClient(u, api_key=self.api_key, timeout_s=self.cfg.request_timeout_s)
-                   for u in self.server_urls]
-        self.pool = ServerPool(clients)
+        self.pool = pool
         self._spawn(self._submit_loop(), "submit")
         self._spawn(self._health_loop(), "health")
 
@@ -90,7 +86,6 @@ class RolloutLoop:
         if self.pool is not None:
             # Our requests are gone; stop the servers from finishing them for nobody.
             await asyncio.gather(*(s.client.abort_all() for s in self.pool.healthy()), return_exceptions=True)
-            await self.pool.close()
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -267,24 +262,6 @@ class RolloutLoop:
         self._running.set()
         self._changed.notify()
 
-    def drop_server(self, url: str, reason: str) -> None:
-        assert self.pool is not None, "drop_server() before start()"
-        if any(s.url == url.rstrip("/") for s in self.pool.slots):
-            self.counters["servers_dropped"] += 1
-        self.pool.remove(url, reason)
-
-    def add_server(self, url: str) -> None:
-        """Route to ``url`` (again): the weight path gave it the current weights (a restarted server)."""
-        assert self.pool is not None, "add_server() before start()"
-        url = url.rstrip("/")
-        if url not in self.server_urls:
-            self.server_urls.append(url)
-        known = any(s.url == url for s in self.pool.slots)
-        self.pool.add(RolloutClient(url, api_key=self.api_key, timeout_s=self.cfg.request_timeout_s)
-                      if not known else next(s.client for s in self.pool.slots if s.url == url))
-        self.counters["server_restarts"] += 1
-        self._changed.notify()
-
     def set_version(self, version: int) -> None:
         self.gate.on_version(version)
         self.version = version
@@ -309,8 +286,8 @@ class RolloutLoop:
             "rollout/capacity": float(self.gate.capacity()),
             "rollout/version": float(self.version),
             "rollout/healthy_servers": float(len(self.pool.healthy())),
-            "rollout/server_restarts": float(self.counters["server_restarts"]),  # dropped, then re-admitted
-            "rollout/servers_dropped": float(self.counters["servers_dropped"]),
+            "rollout/server_restarts": float(self.pool.added),  # dropped, then re-admitted
+            "rollout/servers_dropped": float(self.pool.removed),
         })
         stats.update(self._window.roll(self.pool.busy_seconds(), len(self.pool.slots)))
         return stats

@@ -1,4 +1,5 @@
-"""The fleet as the controller sees it: health, in-flight load and busy time per server.
+"""The members of a ``Fleet`` as the controller routes over them: health, in-flight load and busy
+time per server (``Fleet.routing``).
 
 Load is the number of our own requests in flight on a server, counted here rather than polled
 from ``/v1/loads``: every request passes through this pool, so the count is exact and costs no
@@ -40,12 +41,12 @@ class ServerSlot:
 
 
 class ServerPool:
-    """Least-loaded routing over healthy servers; not thread-safe (lives on the controller loop)."""
+    """Least-loaded routing over healthy servers; not thread-safe (lives on the fleet's loop)."""
 
     def __init__(self, clients: list[RolloutClient], clock: Callable[[], float] = time.monotonic) -> None:
-        if not clients:
-            raise ValueError("ServerPool needs at least one server")
         self.slots = [ServerSlot(client=c) for c in clients]
+        self.removed = 0  # members removed for good (the weight path dropped them)
+        self.added = 0  # servers (re-)admitted after the start
         self._clock = clock
         self._changed = Signal()
 
@@ -107,11 +108,13 @@ class ServerPool:
         for slot in [s for s in self.slots if s.url == url.rstrip("/")]:
             self.mark_down(slot, reason)
             self.slots.remove(slot)
+            self.removed += 1
             log.error("rollout server %s removed from the fleet: %s", slot.url, reason)
 
     def add(self, client: RolloutClient) -> ServerSlot:
         """Route to ``client``'s server (again): the weight path re-admitted it with the current
         weights. A slot already there for its url is marked up instead."""
+        self.added += 1
         for slot in self.slots:
             if slot.url == client.url:
                 self.mark_up(slot)
@@ -138,6 +141,3 @@ class ServerPool:
         """Sum over servers of time spent with at least one of our requests in flight."""
         now = self._clock()
         return sum(s.busy_s + (now - s.busy_since if s.busy_since is not None else 0.0) for s in self.slots)
-
-    async def close(self) -> None:
-        await asyncio.gather(*(s.client.close() for s in self.slots), return_exceptions=True)

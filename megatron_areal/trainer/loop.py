@@ -22,7 +22,7 @@ from megatron_areal.trainer.rank0 import NoDuties, Rank0Duties, StepTimes
 def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     policy = Policy.build(cfg, server_urls)
     rank0 = dist.get_rank() == 0
-    duties = Rank0Duties.build(cfg, policy.hf_dir, policy.weights, policy.version, policy.step,
+    duties = Rank0Duties.build(cfg, policy.hf_dir, policy.fleet, policy.weights, policy.version, policy.step,
                                policy.rollout_state) if rank0 else NoDuties()
     control = StepControl(policy.run_dir.root, rank0, agree=from_rank0)
     stopped_on_request = False

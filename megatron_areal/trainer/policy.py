@@ -2,7 +2,8 @@
 
 The Megatron actor (loaded from the HF folder, or resumed from the newest checkpoint), its
 checkpoints, and the weight push to the rollout servers; ``step`` and ``version`` say where
-training stands. All methods are collective over the trainer's ranks.
+training stands. All methods are collective over the trainer's ranks. On rank 0 the weight push
+goes through the ``Fleet`` that rank 0's rollouts and evaluation share (``fleet``; None elsewhere).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_areal.config import Config
 from megatron_areal.launch.control import ask_to_resume
+from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.rundir import RunDir
 
@@ -39,6 +41,7 @@ class Policy:
     weights: WeightSync
     run_dir: RunDir
     hf_dir: Path
+    fleet: Fleet | None = None  # rank 0: the rollout servers, shared with the rollouts and evaluation
     step: int = 0
     version: int = 0
     rollout_state: dict[str, Any] | None = None  # the controller state the checkpoint resumed
@@ -71,11 +74,13 @@ class Policy:
         if latest is not None:
             step, extra = checkpoints.load(latest, actor.model, actor.optimizer, actor.scheduler)
         version = int(extra.get("version", 0))
+        fleet = Fleet(server_urls, api_key=cfg.server.api_key, request_timeout_s=cfg.rollout.request_timeout_s,
+                      control_timeout_s=cfg.realloc.timeout_s) if dist.get_rank() == 0 else None
         weights = WeightSync(actor.model, arch, groups, server_urls, config=cfg.realloc, server_tp=cfg.server.tp,
-                             api_key=cfg.server.api_key, template_dir=hf_dir)
+                             api_key=cfg.server.api_key, template_dir=hf_dir, fleet=fleet)
         if version > 0:  # the servers started from the base model: give them the resumed policy first
             weights.sync(version)
-        return cls(cfg, actor, checkpoints, weights, run_dir, hf_dir, step=step, version=version,
+        return cls(cfg, actor, checkpoints, weights, run_dir, hf_dir, fleet, step=step, version=version,
                    rollout_state=extra.get("rollout"), saved_step=step)
 
     @property
@@ -119,6 +124,8 @@ class Policy:
 
     def close(self) -> None:
         self.weights.close()
+        if self.fleet is not None:
+            self.fleet.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

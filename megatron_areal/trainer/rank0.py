@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from megatron_areal.realloc.sync import SyncResult, WeightSync
     from megatron_areal.reward import RewardService
     from megatron_areal.rollout.controller import RolloutController
+    from megatron_areal.rollout.fleet import Fleet
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,11 @@ class NoDuties:
 @dataclass
 class Rank0Duties:
     """Rank 0: the rollout controller, the reward pool, the tokenizer, the eval set, the metrics and
-    the ledger; the fleet is what the weight path holds, so a server it drops gets no rollouts or
-    evaluations."""
+    the ledger. Rollouts and evaluation use the ``Fleet`` the weight path updates, so a server it
+    drops gets no more rollouts or evaluations."""
 
     cfg: Config
+    fleet: Fleet
     weights: WeightSync
     controller: RolloutController
     rewards: RewardService
@@ -78,7 +80,7 @@ class Rank0Duties:
     before: float | None = None
 
     @classmethod
-    def build(cls, cfg: Config, hf_dir: Path, weights: WeightSync, version: int, step: int,
+    def build(cls, cfg: Config, hf_dir: Path, fleet: Fleet, weights: WeightSync, version: int, step: int,
               rollout_state: dict | None) -> Rank0Duties:
         from transformers import AutoTokenizer
 
@@ -94,7 +96,7 @@ class Rank0Duties:
         stream = PromptStream(train_prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         rewards = RewardService(cfg.reward, tasks={p.task for p in train_prompts + eval_prompts})
         controller = RolloutController(
-            cfg.rollout, cfg.staleness, list(weights.servers), stream,
+            cfg.rollout, cfg.staleness, fleet, stream,
             encode=lambda p: encode_prompt(tokenizer, p, cfg.data.chat_template),
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             scorer=rewards, api_key=cfg.server.api_key, version=version)
@@ -103,13 +105,11 @@ class Rank0Duties:
         metrics = MetricsWriter(cfg.train.run_dir, total_steps=cfg.train.steps, start_step=step,
                                 tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress)
         ledger = TrainedLedger(RunDir.of(cfg).trained, resume_step=step)
-        return cls(cfg, weights, controller, rewards, tokenizer, eval_prompts, metrics, ledger)
+        return cls(cfg, fleet, weights, controller, rewards, tokenizer, eval_prompts, metrics, ledger)
 
     def start(self, step: int) -> None:
         self.before = before_accuracy(self, step)
         self.controller.start()
-        self.weights.on_drop = self.controller.drop_server
-        self.weights.on_join = self.controller.add_server  # a dropped server back (restarted), with current weights
 
     def take_batch(self) -> list[Trajectory]:
         return self.controller.get_batch(BATCH_TIMEOUT_S)
@@ -157,9 +157,8 @@ def evaluate_held_out(duties: Rank0Duties, step: int, label: str) -> float | Non
     cfg = duties.cfg
     if not duties.eval_prompts:
         return None
-    result = evaluate(list(duties.weights.servers), duties.eval_prompts, duties.tokenizer, duties.rewards,
-                      max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template,
-                      api_key=cfg.server.api_key)
+    result = evaluate(duties.fleet, duties.eval_prompts, duties.tokenizer, duties.rewards,
+                      max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template)
     duties.metrics.log(step, result.as_metrics())
     logger.info("eval %s (step %d): accuracy %.1f%% on %d held-out prompts of %s (%.0f s)", label, step,
                 100 * result.accuracy, result.n, cfg.data.eval, result.seconds)
