@@ -5,6 +5,10 @@ the actor's ``build_model``, loaded from HF and then perturbed so the servers' i
 stale. Each sync is checked against ``convert mcore-to-hf`` of the trainer's weights (a Megatron
 checkpoint saved by the trainer and converted in this process): per-tensor sha256 from the
 servers' checksum endpoint, the weight version, and greedy output against transformers.
+
+The worker pool and the servers are started once per module (they are slow to start); every test
+starts from the same state all the same (``world``): a fresh trainer model and ``WeightSync``, and
+two live servers holding the base model at version ``init``, so any test runs alone with ``-k``.
 """
 from __future__ import annotations
 
@@ -106,37 +110,74 @@ def _w_close() -> None:
     from megatron_areal.actor.parallel import teardown_parallel
 
     for key in ("sync", "disk"):
-        _STATE.pop(key).close()
+        if key in _STATE:
+            _STATE.pop(key).close()
     teardown_parallel()
 
 
 # ---- test side -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory):
+def trainer(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model and the 4-rank trainer pool (its ranks keep their model between calls)."""
     from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
-    from megatron_areal.netutil import free_port
-    from megatron_areal.server.local import start_embedded
 
-    root = tmp_path_factory.mktemp("realloc")
-    model = make_tiny_model(root / "model", "llama", seed=3)
-    ports = [free_port() for _ in range(2)]
-    # the servers start while the trainer builds its model (it contacts them only on the first sync)
-    with ThreadPoolExecutor(2) as ex:
-        starting = [ex.submit(start_embedded, model, port=port, args=["--weight-version", "init"]) for port in ports]
-        pool = WorkerPool(TP * PP, timeout_s=300)
-        try:
-            # small buckets: the tiny model travels in many of them
-            pool.run(_w_setup, str(model), [f"http://127.0.0.1:{p}" for p in ports], 0.05, str(root / "disk"))
-        finally:
-            servers = [f.result() for f in starting]
+    model = make_tiny_model(tmp_path_factory.mktemp("realloc") / "model", "llama", seed=3)
+    pool = WorkerPool(TP * PP, timeout_s=300)
     try:
-        yield {"root": root, "model": model, "servers": servers, "pool": pool}
+        yield {"model": model, "pool": pool}
         pool.run(_w_close)
     finally:
         pool.close()
-        for s in servers:
+
+
+@pytest.fixture(scope="module")
+def servers(trainer: dict[str, Any]):
+    """Two embedded servers; a test may kill one or put a new one in its place (all stopped at the end)."""
+    running = _start_servers(trainer["model"], 2)
+    try:
+        yield running
+    finally:
+        for s in running:
             s.stop()
+
+
+def _start_servers(model: Path, n: int) -> list[Any]:
+    from megatron_areal.server.local import start_embedded
+
+    if n == 0:
+        return []
+    with ThreadPoolExecutor(n) as ex:
+        return list(ex.map(lambda _: start_embedded(model, args=["--weight-version", "init"]), range(n)))
+
+
+def _reset(url: str, model: Path) -> None:
+    """Back to the base model at version ``init``, as a freshly started server."""
+    from megatron_areal.rollout.client import RolloutClient
+
+    async def go() -> None:
+        async with RolloutClient(url) as c:
+            await c.pause()
+            await c.begin_weight_update()
+            await c.update_weights_from_disk(str(model), weight_version="init")
+            await c.end_weight_update()
+            await c.resume()
+
+    asyncio.run(go())
+
+
+@pytest.fixture
+def world(trainer: dict[str, Any], servers: list[Any], tmp_path: Path) -> dict[str, Any]:
+    """The same start for every test: two live servers on the base weights, a fresh trainer model
+    (perturbed, so the servers are stale) and fresh ``WeightSync`` objects over both servers."""
+    dead = [i for i, s in enumerate(servers) if s.proc.poll() is not None]
+    for i, fresh in zip(dead, _start_servers(trainer["model"], len(dead))):
+        servers[i] = fresh
+    for s in servers:
+        _reset(s.url, trainer["model"])
+    # small buckets: the tiny model travels in many of them
+    trainer["pool"].run(_w_setup, str(trainer["model"]), [s.url for s in servers], 0.05, str(tmp_path / "disk"))
+    return {"root": tmp_path, "model": trainer["model"], "servers": servers, "pool": trainer["pool"]}
 
 
 def _reference(world: dict[str, Any], name: str) -> Path:
@@ -270,7 +311,7 @@ def test_killed_server_is_dropped_and_sync_goes_on(world: dict[str, Any]) -> Non
 
     # a server that joins later holds the current weights before it is a member
     late = start_embedded(world["model"], args=["--weight-version", "init"])
-    world["servers"][1] = late
+    world["servers"][1] = late  # stopped with the others
     members = world["pool"].run(_w_add, late.url)[0]
     assert members == [survivor.url, late.url]
     _assert_serves(late.url, ref, "4")
@@ -303,7 +344,7 @@ def test_data_parallel_replicas_send_once(world: dict[str, Any]) -> None:
     """
     survivor = world["servers"][0]
     world["pool"].run(_w_setup, str(world["model"]), [survivor.url], 0.05, str(world["root"] / "disk-dp"), 2, 1,
-                      False)
+                      False)  # the same processes in another layout
     from megatron_areal.server.weights import read_safetensors
 
     results = world["pool"].run(_w_sync, "7")
