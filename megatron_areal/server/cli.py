@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -12,7 +13,10 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_areal.server.engine import EngineOptions
 
 log = logging.getLogger(__name__)
 # After SIGTERM/SIGINT: the orderly stop (answer everyone, close the port) normally takes well under
@@ -29,19 +33,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' except on /health "
                    f"(visible to every user in the process list: prefer --api-key-file or ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help=f"read the key from this file (default: ${API_KEY_ENV})")
-    p.add_argument("--max-running", type=int, default=32, help="sequences decoded together (KV cache slots)")
-    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before answering 503")
-    p.add_argument("--context-length", type=int, default=None, help="tokens per KV slot (prompt + output)")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill batch")
+    # The engine's options: an unset flag leaves the engine's own default (server/engine.EngineOptions).
+    p.add_argument("--max-running", type=int, help="sequences decoded together (KV cache slots)")
+    p.add_argument("--max-queue", type=int, help="waiting requests before answering 503")
+    p.add_argument("--context-length", type=int, help="tokens per KV slot (prompt + output)")
+    p.add_argument("--max-prefill-tokens", type=int, help="padded tokens per prefill batch")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--weight-group-timeout", type=float, default=300.0,
+    p.add_argument("--weight-version")
+    p.add_argument("--weight-group-timeout", type=float, dest="weight_group_timeout_s", metavar="SECONDS",
                    help="seconds a weight-group join or broadcast may wait (a request's timeout_s is capped by it)")
-    p.add_argument("--health-timeout", type=float, default=20.0,
+    p.add_argument("--health-timeout", type=float, dest="health_timeout_s", metavar="SECONDS",
                    help="while paused, /health waits this long for generation to resume, then answers 503")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="serve input_ids only")
     p.add_argument("--register-dir", default=None, help="write DIR/<server-id> (url, pid, model) once healthy")
     p.add_argument("--server-id", default=None, help="name of the registration file (default: host-port)")
@@ -50,10 +55,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there (is it a Hugging Face model folder?)")
     for flag in ("max_running", "max_queue", "max_prefill_tokens"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     for flag in ("weight_group_timeout", "health_timeout"):
-        if not getattr(args, flag) > 0:
+        value = getattr(args, f"{flag}_s")
+        if value is not None and not value > 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0")
     return args
 
@@ -85,18 +91,23 @@ def write_registration(directory: str, server_id: str, info: dict[str, Any]) -> 
     return path
 
 
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine's options from the flags given; the others keep ``EngineOptions``' defaults."""
+    from megatron_areal.server.engine import EngineOptions
+
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineOptions)}
+    return EngineOptions(**{name: value for name, value in given.items() if value is not None})
+
+
 async def serve(args: argparse.Namespace) -> None:
     # Imported here so that argument errors are reported before torch loads.
     from aiohttp import web
 
     from megatron_areal.server.api import Api
-    from megatron_areal.server.engine import Engine, EngineOptions
+    from megatron_areal.server.engine import Engine
     from megatron_areal.server.tokenizer import load_tokenizer
 
-    opts = EngineOptions(max_running=args.max_running, max_queue=args.max_queue,
-                         context_length=args.context_length, max_prefill_tokens=args.max_prefill_tokens,
-                         seed=args.seed, device=args.device, dtype=args.dtype, weight_version=args.weight_version,
-                         weight_group_timeout_s=args.weight_group_timeout, health_timeout_s=args.health_timeout)
+    opts = engine_options(args)
     tokenizer = None if args.skip_tokenizer_init else await asyncio.to_thread(load_tokenizer, args.model)
     decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     engine = await asyncio.to_thread(Engine, args.model, opts, decode)
