@@ -9,7 +9,7 @@ from engine_jobs import run_jobs
 
 from megatron_areal.server.engine import Engine, EngineOptions, QueueFull
 from megatron_areal.server.sampler import SamplingParams, sample
-from megatron_areal.server.scheduler import Request
+from megatron_areal.server.scheduler import Request, Scheduler
 
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5], [10, 20, 30, 40, 50, 60, 70]]
 
@@ -94,6 +94,29 @@ def test_samples_of_one_prompt_prefill_it_once(tiny_llama, engine_for) -> None:
     for i in range(3):
         assert_logprobs_match(hf, done[f"s{i}"], 0.8)
     assert len({tuple(done[f"s{i}"].output_ids) for i in range(3)}) > 1  # they did not share their samples
+
+
+def test_plan_prefills_a_prompt_once_and_keeps_slots_for_its_group() -> None:
+    """Samples that wait for their prompt's first prefill hold slots, so a later prompt cannot take
+    them; once the first runs they copy its prompt KV (all but the last prompt token)."""
+    sched = Scheduler(max_running=8, max_len=64, eos_ids=(0,))
+
+    def req(rid: str, prompt: list[int]) -> Request:
+        return Request(rid=rid, prompt_ids=prompt, params=SamplingParams(), generator=torch.Generator(),
+                       on_finish=lambda r: None)
+
+    a = [req(f"a{i}", [1, 2, 3]) for i in range(3)]
+    b = [req(f"b{i}", [4, 5]) for i in range(3)]
+    sched.waiting.extend(a + b)
+    plan = sched.plan(free_slots=4)
+    assert plan.prefill == [a[0], b[0]] and plan.shares == []
+    assert list(sched.waiting) == a[1:] + b[1:]
+    for r in plan.prefill:
+        r.cached = len(r.all_ids)
+    sched.running += plan.prefill
+    plan = sched.plan(free_slots=2)
+    assert plan.prefill == a[1:] and plan.shares == [(a[0], a[1], 2), (a[0], a[2], 2)]
+    assert list(sched.waiting) == b[1:]
 
 
 def test_retracted_samples_share_the_prompt_again(tiny_llama, engine_for) -> None:

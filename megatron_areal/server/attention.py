@@ -41,18 +41,24 @@ def packed_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tens
     """Write the new keys/values into the cache, then attend row by row; returns ``[N, H, D]``."""
     cache.write(layer, batch.token_slots, batch.token_positions, k_NKD, v_NKD)
     outs = []
+    kv_heads = k_NKD.shape[1]
     for slot, start, n, first in batch.rows:
-        keys_KLD, values_KLD = cache.read(layer, slot, start + n)
-        q_HnD = q_NHD[first:first + n].transpose(0, 1)
-        out_HnD = F.scaled_dot_product_attention(q_HnD, keys_KLD, values_KLD, attn_mask=_causal(start, n, q_NHD.device),
-                                                 is_causal=n > 1 and start == 0, enable_gqa=True)
-        outs.append(out_HnD.transpose(0, 1))
+        keys_1KLD, values_1KLD = (t[None] for t in cache.read(layer, slot, start + n))  # 4-D: SDPA's fast kernel
+        q_nHD = q_NHD[first:first + n]
+        if n == 1:  # a decode: the query heads that share a kv head are its rows (no GQA copies, no mask)
+            out = F.scaled_dot_product_attention(q_nHD.view(1, kv_heads, -1, q_nHD.shape[-1]), keys_1KLD, values_1KLD)
+            outs.append(out.view(q_nHD.shape))
+        else:
+            out = F.scaled_dot_product_attention(q_nHD.transpose(0, 1)[None], keys_1KLD, values_1KLD,
+                                                 attn_mask=_causal(start, n, q_NHD.device),
+                                                 is_causal=start == 0, enable_gqa=True)
+            outs.append(out[0].transpose(0, 1))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def _causal(start: int, n: int, device: torch.device) -> torch.Tensor | None:
-    """Query i (at position start + i) sees keys 0 .. start + i. None where no mask is needed: one
-    query sees every key, and a row from position 0 is SDPA's own ``is_causal``."""
-    if n == 1 or start == 0:
+    """Query i (at position start + i) sees keys 0 .. start + i; None for a row from position 0,
+    which is SDPA's own ``is_causal``."""
+    if start == 0:
         return None
     return torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)

@@ -67,19 +67,20 @@ class Scheduler:
         """Admit queued requests in order while slots and the prefill token budget allow.
 
         A request whose prompt a running request holds shares that prompt's KV; one whose prompt
-        is being prefilled in this very plan waits a step for it (it keeps its place in the queue).
+        is being prefilled in this very plan waits a step for it, keeping its place in the queue and
+        a slot (so that requests behind it do not take the slots its group needs to share).
         """
         holders = {tuple(r.prompt_ids): r for r in self.running}
         plan = Plan(prefill=[], decode=list(self.running))
         prefilling: set[tuple[int, ...]] = set()
         kept: deque[Request] = deque()
         tokens = 0
-        while self.waiting and len(plan.prefill) < free_slots:
+        while self.waiting and len(plan.prefill) + len(kept) < free_slots:
             r = self.waiting.popleft()
             prompt = tuple(r.prompt_ids)
             donor = holders.get(prompt)
             if donor is None and prompt in prefilling:
-                kept.append(r)
+                kept.append(r)  # holds a slot: it is counted against free_slots above
                 continue
             shared = min(len(prompt), len(r.all_ids) - 1, donor.cached) if donor is not None else 0
             cost = len(r.all_ids) - shared
