@@ -1,47 +1,52 @@
-"""Output tokens/s: the embedded server (continuous batching) vs transformers ``generate`` at batch 32.
+"""Output tokens/s: the embedded server vs transformers ``generate`` on the main job's rollouts.
 
-Same model (SmolLM2-135M-Instruct, fp32 on CPU), same chat prompts, greedy decoding until EOS or
-``--max-new-tokens``. The prompts mix "just the number" questions with "explain" questions, so
-output lengths are long-tailed, as in RL rollouts. Both sides use the same threads and the same
-concurrency (32). All requests are issued at t=0; a request's latency is the time until its
-output is complete (for ``generate``: until its padded batch of 32 finishes).
+The workload is the main job's: SmolLM2-135M-Instruct (fp32 on CPU), its arithmetic prompts through
+the chat template, ``--samples`` samples per prompt at temperature 0.7, responses long-tailed, up
+to ``--max-new-tokens``. Both sides run 32 sequences at a time, with the same threads:
 
-Useful tokens are counted up to and including EOS on both sides.
+- transformers: what a user writes, ``generate(do_sample=True, num_return_sequences=8)`` on 4
+  prompts at a time (left-padded), until the longest of the 32 ends;
+- the server: every sample sent as its own request at t=0, as the rollout loop sends a group, with
+  ``--max-running 32``.
 
-    python bench/serve.py [--prompts 64] [--max-new-tokens 192] [--threads 2]
+Sampling is the same distribution on both sides (temperature only, no top-k/top-p), so response
+lengths differ by chance, not by rule; useful tokens are counted up to and including EOS on both.
+Both sides are warmed up the same way (one batch of 32 sequences, 8 tokens) before timing.
+
+Before timing, greedy outputs and their logprobs are checked against transformers on a few prompts;
+if they differ the bench exits with status 1 and prints no RESULT.
+
+    python bench/serve.py [--prompts 8] [--samples 8] [--max-new-tokens 256] [--threads 2]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import random
 import statistics
+import sys
 import time
 
 import torch
 
 from megatron_areal.assets import smollm2_path
+from megatron_areal.data.arithmetic import arithmetic_train
+from megatron_areal.data.template import encode_prompt
 from megatron_areal.rollout.client import RolloutClient
 from megatron_areal.server.local import start_embedded
 
 BATCH = 32
+TEMPERATURE = 0.7
+CHECK_PROMPTS, CHECK_TOKENS = 3, 24
 
 
-def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(n):
-        a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*")
-        if i % 4 == 3:
-            ask = f"Explain step by step how to compute {a} {op} {b}, then give the result."
-        elif i % 4 == 2:
-            ask = f"Write a short story about the number {a}."
-        else:
-            ask = f"What is {a} {op} {b}? Answer with just the number."
-        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False))
-    return [list(p) for p in prompts]
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of this process, or of process ``pid``: on a shared machine the
+    steadier measure of the work each side does."""
+    if pid is None:
+        return time.process_time()
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def useful(ids: list[int], eos: set[int]) -> int:
@@ -51,47 +56,90 @@ def useful(ids: list[int], eos: set[int]) -> int:
     return len(ids)
 
 
-def run_hf(path, prompts: list[list[int]], max_new: int, eos: set[int], pad: int) -> tuple[float, int, list[float]]:
-    from transformers import AutoModelForCausalLM
+class HF:
+    """transformers ``generate``, as a user would call it."""
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokens, latencies = 0, []
-    start = time.perf_counter()
-    for i in range(0, len(prompts), BATCH):
-        batch = prompts[i:i + BATCH]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    def __init__(self, path, eos: set[int], pad: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.eos, self.pad = sorted(eos), pad
+
+    def generate(self, prompts: list[list[int]], samples: int, max_new: int, **sampling) -> list[list[int]]:
+        """Each prompt ``samples`` times, one left-padded batch; the generated ids of each row."""
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=sorted(eos), pad_token_id=pad)
-        done = time.perf_counter() - start
-        tokens += sum(useful(row[width:].tolist(), eos) for row in out)
-        latencies += [done] * len(batch)
-    return time.perf_counter() - start, tokens, latencies
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                                      num_return_sequences=samples, eos_token_id=self.eos, pad_token_id=self.pad,
+                                      **sampling)
+        return [row[width:].tolist() for row in out]
+
+    def logprobs(self, prompt: list[int], output: list[int]) -> list[float]:
+        with torch.no_grad():
+            lp = torch.log_softmax(self.model(torch.tensor([prompt + output])).logits[0].float(), -1)
+        return [lp[len(prompt) - 1 + k, t].item() for k, t in enumerate(output)]
 
 
-async def run_server(url: str, prompts: list[list[int]], max_new: int) -> tuple[float, int, list[float]]:
+SAMPLED = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0, "top_p": 1.0}
+
+
+def run_hf(hf: HF, prompts: list[list[int]], samples: int, max_new: int) -> tuple[float, list[int]]:
+    """Seconds and useful tokens per sequence, ``BATCH // samples`` prompts per generate call."""
+    per_call = max(1, BATCH // samples)
+    lengths: list[int] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), per_call):
+        rows = hf.generate(prompts[i:i + per_call], samples, max_new, **SAMPLED)
+        lengths += [useful(r, set(hf.eos)) for r in rows]
+    return time.perf_counter() - start, lengths
+
+
+async def server_outputs(client: RolloutClient, prompts: list[list[int]], samples: int,
+                         params: dict) -> list[list[int]]:
+    """Every sample its own request, all sent at once; output ids in prompt order."""
+    jobs = [client.generate(p, params) for p in prompts for _ in range(samples)]
+    return [r.output_ids for r in await asyncio.gather(*jobs)]
+
+
+async def run_server(url: str, hf: HF, prompts: list[list[int]], samples: int,
+                     max_new: int) -> tuple[float, list[int]]:
     async with RolloutClient(url, timeout_s=3600) as client:
-        await client.generate(prompts[0], {"max_new_tokens": 4, "temperature": 0})  # warm-up
+        await server_outputs(client, prompts[:max(1, BATCH // samples)], samples,
+                             {"max_new_tokens": 8, "temperature": TEMPERATURE})  # warm-up, as transformers'
         start = time.perf_counter()
-
-        async def one(p: list[int]) -> tuple[int, float]:
-            res = await client.generate(p, {"max_new_tokens": max_new, "temperature": 0})
-            return len(res.output_ids), time.perf_counter() - start
-
-        results = await asyncio.gather(*(one(p) for p in prompts))
-        return time.perf_counter() - start, sum(n for n, _ in results), [t for _, t in results]
+        outs = await server_outputs(client, prompts, samples, {"max_new_tokens": max_new, "temperature": TEMPERATURE})
+        return time.perf_counter() - start, [useful(o, set(hf.eos)) for o in outs]
 
 
-def pct(values: list[float], q: float) -> float:
+async def check_greedy(url: str, hf: HF, prompts: list[list[int]]) -> list[str]:
+    """Greedy outputs and logprobs of the server against transformers; the differences found."""
+    problems = []
+    async with RolloutClient(url, timeout_s=600) as client:
+        got = await asyncio.gather(*(client.generate(p, {"max_new_tokens": CHECK_TOKENS, "temperature": 0})
+                                     for p in prompts))
+    for i, (p, res) in enumerate(zip(prompts, got, strict=True)):
+        ref = hf.generate([p], 1, CHECK_TOKENS, do_sample=False)[0]
+        ref = ref[:useful(ref, set(hf.eos))]
+        if res.output_ids != ref:
+            problems.append(f"prompt {i}: greedy tokens differ: server {res.output_ids} transformers {ref}")
+            continue
+        gap = max(abs(a - b) for a, b in zip(res.output_logprobs, hf.logprobs(p, ref), strict=True))
+        if gap > 1e-3:
+            problems.append(f"prompt {i}: logprobs differ from transformers' by up to {gap:.2e}")
+    return problems
+
+
+def pct(values: list[int], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (the main job's group size)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,29 +148,43 @@ def main() -> None:
 
     path = smollm2_path()
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = make_prompts(tok, args.prompts)
+    prompts = [encode_prompt(tok, q, use_chat_template=True) for q in arithmetic_train(seed=0, size=args.prompts)]
     eos = {tok.eos_token_id}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-    load_before = os.getloadavg()[0]
-    hf_s, hf_tokens, hf_lat = run_hf(path, prompts, args.max_new_tokens, eos, pad)
-    load_mid = os.getloadavg()[0]
+    hf = HF(path, eos, pad)
+    torch.manual_seed(0)
     with start_embedded(path, args=["--max-running", str(BATCH), "--context-length", "1024",
                                     "--skip-tokenizer-init"], threads=args.threads, timeout_s=300) as srv:
-        sv_s, sv_tokens, sv_lat = asyncio.run(run_server(srv.url, prompts, args.max_new_tokens))
-    load_after = os.getloadavg()[0]
+        problems = asyncio.run(check_greedy(srv.url, hf, prompts[:CHECK_PROMPTS]))
+        if problems:
+            print("correctness check failed, no RESULT:\n  " + "\n  ".join(problems))
+            sys.exit(1)
+        per_call = max(1, BATCH // args.samples)
+        hf.generate(prompts[:per_call], args.samples, 8, **SAMPLED)  # warm-up, as the server's
+        load_before, cpu = os.getloadavg()[0], cpu_seconds()
+        hf_s, hf_len = run_hf(hf, prompts, args.samples, args.max_new_tokens)
+        hf_cpu = cpu_seconds() - cpu
+        load_mid, cpu = os.getloadavg()[0], cpu_seconds(srv.proc.pid)
+        sv_s, sv_len = asyncio.run(run_server(srv.url, hf, prompts, args.samples, args.max_new_tokens))
+        sv_cpu = cpu_seconds(srv.proc.pid) - cpu
+        load_after = os.getloadavg()[0]
 
-    print(f"model {path.name}, {len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, "
-          f"{args.threads} threads, concurrency {BATCH}")
+    print(f"model {path.name}, {len(prompts)} prompts x {args.samples} samples (prompt {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens), T {TEMPERATURE}, max_new_tokens {args.max_new_tokens}, "
+          f"{args.threads} threads, {BATCH} sequences at a time")
+    print(f"greedy check: {CHECK_PROMPTS} prompts x {CHECK_TOKENS} tokens equal transformers' (logprobs within 1e-3)")
     # The machine may be shared: the 1-minute load average shows how comparable the two phases were.
     print(f"load average: {load_before:.1f} before, {load_mid:.1f} between, {load_after:.1f} after "
           f"on {os.cpu_count()} CPUs")
-    print(f"{'':28}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'p50 s':>8}{'p99 s':>8}")
-    for name, s, n, lat in (("transformers generate (b32)", hf_s, hf_tokens, hf_lat),
-                            ("embedded server", sv_s, sv_tokens, sv_lat)):
-        print(f"{name:28}{n:>8}{s:>10.1f}{n / s:>10.1f}{pct(lat, 50):>8.1f}{pct(lat, 99):>8.1f}")
-    ratio = (sv_tokens / sv_s) / (hf_tokens / hf_s)
-    print(f"RESULT serve_vs_hf {ratio:.2f}")
+    print(f"{'':24}{'tokens':>7}{'seconds':>9}{'tokens/s':>10}{'CPU s':>8}{'tokens/CPU s':>14}"
+          f"   response length p50/p90/max")
+    sides = (("transformers generate", hf_s, hf_cpu, hf_len), ("embedded server", sv_s, sv_cpu, sv_len))
+    for name, s, cpu_s, lengths in sides:
+        n = sum(lengths)
+        print(f"{name:24}{n:>7}{s:>9.1f}{n / s:>10.1f}{cpu_s:>8.1f}{n / cpu_s:>14.1f}"
+              f"   {pct(lengths, 50):.0f}/{pct(lengths, 90):.0f}/{max(lengths)}")
+    print(f"tokens per CPU second, server over transformers: {(sum(sv_len) / sv_cpu) / (sum(hf_len) / hf_cpu):.2f}")
+    print(f"RESULT serve_vs_hf {(sum(sv_len) / sv_s) / (sum(hf_len) / hf_s):.2f}")
 
 
 if __name__ == "__main__":
