@@ -57,13 +57,13 @@ class PackedCoreAttention(MegatronModule):
             s, b = query.size(0), query.size(1)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         cu = packed_seq_params.cu_seqlens_q.tolist()
-        outs = []
-        for start, end in zip(cu[:-1], cu[1:]):
-            if end == start:
-                continue
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            outs.append(self._attend(q, k, v).squeeze(0).transpose(0, 1))
         if cu[-1] != query.size(0):
             raise ValueError(f"PackedCoreAttention: cu_seqlens ends at {cu[-1]} but the pack has "
                              f"{query.size(0)} tokens")
+        # torch.split, not x[start:end]: a slice's backward writes its gradient into a zeroed tensor
+        # of the whole pack, once per sequence (48 sequences x q, k, v x 30 layers of full-size
+        # zeros and adds per step); split's backward concatenates the sequences' gradients once.
+        sizes = [end - start for start, end in zip(cu[:-1], cu[1:])]
+        outs = [self._attend(*(x.transpose(0, 1).unsqueeze(0) for x in qkv)).squeeze(0).transpose(0, 1)
+                for qkv in zip(*(torch.split(x, sizes, dim=0) for x in (query, key, value))) if qkv[0].size(0)]
         return torch.cat(outs, dim=0).reshape(query.size(0), -1)

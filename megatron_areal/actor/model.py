@@ -40,6 +40,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_areal.actor import packed_rope
 from megatron_areal.actor.attention import PackedCoreAttention
 from megatron_areal.model.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
 from megatron_areal.model.rope import rope_inv_freq
@@ -233,6 +234,8 @@ def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
         use_te = use_transformer_engine(transformer_impl, on_gpu=on_gpu, sequence_parallel=sequence_parallel)
     if use_te and not on_gpu:
         raise ValueError("the Transformer Engine spec needs a CUDA device")
+    if not use_te:
+        packed_rope.install()  # the local spec's packed rotary, one table per micro-batch
     config = transformer_config(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype,
                                 on_gpu=on_gpu, p2p_batched=on_gpu)
     torch.manual_seed(seed)

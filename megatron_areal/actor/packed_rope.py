@@ -1,0 +1,58 @@
+"""Rotary embeddings for packed (``thd``) micro-batches, computed once per micro-batch.
+
+Megatron-core 0.16.1's reference ``_apply_rotary_pos_emb_thd`` (the path of the local layer spec)
+rebuilds the per-token frequency table for every call, that is for q and for k in every layer:
+it slices the table per sequence, concatenates the slices, takes cos and sin of the whole packed
+table in fp32 and copies the rotated tensor once more through a ``cat`` with an empty remainder.
+On a 30-layer model with 48 packed sequences that was about a fifth of the forward's time on CPU.
+
+``packed_rotary`` gives the same values (cos and sin of the same fp32 frequencies, cast to the
+input's dtype, applied as ``t * cos + rotate_half(t) * sin``) from a table built once per
+micro-batch and reused by every layer. It handles context parallelism 1, non-interleaved and
+non-MLA rotary, which is what the local spec runs; anything else goes to megatron's function.
+``install()`` rebinds the module attribute megatron's ``apply_rotary_pos_emb`` looks up (process
+wide, idempotent).
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+_reference = rope_utils._apply_rotary_pos_emb_thd
+_cache: dict[str, tuple] = {}
+
+
+def _tables(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [tokens, 1, dim] for positions restarting at 0 in every sequence."""
+    bounds = tuple(cu_seqlens.tolist())
+    rows = freqs.reshape(freqs.size(0), -1)
+    fingerprint = tuple(rows[[min(1, rows.size(0) - 1), -1]].sum(-1).tolist())  # the table's content, cheaply
+    key = (bounds, freqs.data_ptr(), tuple(freqs.shape), freqs.dtype, dtype, fingerprint)
+    hit = _cache.get("last")
+    if hit is not None and hit[0] == key:
+        return hit[1], hit[2]
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    positions = torch.arange(bounds[-1], device=freqs.device) - torch.repeat_interleave(starts, lengths)
+    table = freqs.reshape(freqs.size(0), 1, freqs.size(-1))[positions]
+    cos, sin = torch.cos(table).to(dtype), torch.sin(table).to(dtype)
+    _cache["last"] = (key, cos, sin)
+    return cos, sin
+
+
+def packed_rotary(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+                  multi_latent_attention: bool = False, mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+    """``_apply_rotary_pos_emb_thd`` for t [tokens, heads, dim] with one frequency table per micro-batch."""
+    if rotary_interleaved or multi_latent_attention or mscale != 1.0 or (cp_group is not None and cp_group.size() != 1):
+        return _reference(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                          multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+    cos, sin = _tables(cu_seqlens, freqs, t.dtype)
+    rot = cos.size(-1)
+    head, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = head.chunk(2, dim=-1)
+    rotated = head * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return rotated if rest.size(-1) == 0 else torch.cat((rotated, rest), dim=-1)
+
+
+def install() -> None:
+    rope_utils._apply_rotary_pos_emb_thd = packed_rotary
