@@ -238,8 +238,13 @@ def test_queue_full_answers_503(models) -> None:
             _wait_running(srv.url)
             queued = ex.submit(call, srv.url, "/generate", long, key=None)
             _wait_running(srv.url, 1, field="num_waiting_reqs")
-            status, reply = call(srv.url, "/generate", long, key=None)
-            assert status == 503 and "queue full" in reply["error"]["message"]
+            # paused in place, the first request keeps the only slot however fast the machine decodes
+            assert call(srv.url, "/pause_generation", {"mode": "in_place"}, key=None)[0] == 200
+            try:
+                status, reply = call(srv.url, "/generate", long, key=None)
+                assert status == 503 and "queue full" in reply["error"]["message"], (status, reply)
+            finally:
+                assert call(srv.url, "/continue_generation", {}, key=None)[0] == 200
             assert call(srv.url, "/abort_request", {"abort_all": True}, key=None)[0] == 200
             assert first.result(60)[0] == 200 and queued.result(60)[0] == 200
         ok = call(srv.url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}, key=None)
