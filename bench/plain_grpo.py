@@ -135,9 +135,12 @@ def run(args: argparse.Namespace, log=print) -> list[dict]:
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature)
         texts = replies(tokenizer, out, prompt_mask.shape[1])
         rewards = torch.tensor([verify_number(x, prompts[i // args.group].answer).reward for i, x in enumerate(texts)])
-        grpo_step(model, optimizer, out, prompt_mask, rewards, args.group, tokenizer.eos_token_id)
+        generated = time.monotonic()
+        kept = grpo_step(model, optimizer, out, prompt_mask, rewards, args.group, tokenizer.eos_token_id)
         step += 1
         trained_s += time.monotonic() - t
+        log(f"plain step {step:3d}  generate {generated - t:5.1f} s, train {time.monotonic() - generated:5.1f} s on "
+            f"{kept} samples, reward {rewards.mean():.3f}")
         if args.eval_every and step % args.eval_every == 0 and trained_s < args.budget_s:
             evaluate()
     evaluate()
