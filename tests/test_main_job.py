@@ -28,7 +28,8 @@ REQUIRED_TAGS = (
     "rollout/reward_mean", "rollout/staleness_mean", "rollout/staleness_max", "rollout/interrupted_fraction",
     "rollout/dropped_stale", "train/loss", "train/clip_fraction", "train/importance_weight_mean",
     "train/grad_norm", "perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s",
-    "perf/trainer_idle_fraction", "perf/generator_idle_fraction", "eval/accuracy",
+    "perf/trainer_idle_fraction", "perf/generator_idle_fraction", "perf/train_all_tokens_per_s",
+    "perf/trainer_peak_rss_gb", "eval/accuracy",
 )
 FRACTION_TAGS = ("rollout/interrupted_fraction", "train/clip_fraction", "perf/trainer_idle_fraction",
                  "perf/generator_idle_fraction", "eval/accuracy")
@@ -109,7 +110,8 @@ def test_every_tensorboard_tag_is_written(run: tuple) -> None:
     assert [s for s, _ in scalars["eval/accuracy"]] == [0, STEPS]
     for tag in FRACTION_TAGS:
         assert all(0.0 <= v <= 1.0 for _, v in scalars[tag]), (tag, scalars[tag])
-    for tag in ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s"):
+    for tag in ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s",
+                "perf/train_all_tokens_per_s", "perf/trainer_peak_rss_gb"):
         assert all(v > 0 for _, v in scalars[tag]), (tag, scalars[tag])
     assert all(0 <= v <= ETA for _, v in scalars["rollout/staleness_max"])
     means, maxes = dict(scalars["rollout/staleness_mean"]), dict(scalars["rollout/staleness_max"])

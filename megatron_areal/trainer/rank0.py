@@ -7,6 +7,7 @@ loop calls the same methods on every rank; on the others they do nothing.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,9 +184,12 @@ def step_metrics(stats: dict[str, float], rollout: dict[str, float], times: Step
     out = {f"train/{k}": v for k, v in stats.items() if k != "tokens_per_s"}
     out.update(rollout)
     out.update({
-        # trained tokens per second of wall time (the run's throughput), and while computing
+        # trained (loss) tokens per second of wall time (the run's throughput), and while computing
         "perf/train_tokens_per_s": stats.get("tokens", 0.0) / max(step_s, 1e-9),
         "perf/train_compute_tokens_per_s": stats.get("tokens", 0.0) / max(train_s, 1e-9),
+        # every token the actor computed on (prompts included) per second of its update
+        "perf/train_all_tokens_per_s": stats.get("tokens_per_s", 0.0),
+        "perf/trainer_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
         "perf/weight_sync_s": sync.seconds,
         "perf/weight_sync_mb": sync.bytes_sent / 1e6,
         "perf/step_time_s": step_s,
