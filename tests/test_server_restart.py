@@ -138,8 +138,8 @@ _STATE: dict = {}
 def _w_setup(model_dir: str, urls: list[str]) -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
-    from megatron_areal.convert.arch import load_arch
-    from megatron_areal.convert.weights import load_hf_weights
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.realloc.config import ReallocConfig
     from megatron_areal.realloc.sync import WeightSync
 

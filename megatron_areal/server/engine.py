@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_areal.convert.arch import ModelArch, load_arch
+from megatron_areal.model.arch import ModelArch, load_arch
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.attention import ForwardBatch
 from megatron_areal.server.kv_cache import KVCache

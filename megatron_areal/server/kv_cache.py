@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_areal.convert.arch import ModelArch
+from megatron_areal.model.arch import ModelArch
 
 
 class KVCache:

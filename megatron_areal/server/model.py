@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_areal.convert.arch import ModelArch
+from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.rope import rope_inv_freq
 from megatron_areal.server.attention import ForwardBatch, packed_attention
 from megatron_areal.server.kv_cache import KVCache
