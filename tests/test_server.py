@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -323,13 +322,18 @@ def test_disk_update_refuses_wrong_model_and_keeps_weights(server, models, tmp_p
 def test_concurrent_generation_survives_weight_update(server, models) -> None:
     """Requests running during an update are re-prefilled under the new weights and still finish."""
     load(server.url, models[0], "v0")
-    n = 1500  # long enough to be running when the update lands, even on a quiet machine
+    n = 1500
     body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
     with ThreadPoolExecutor(4) as ex:
         pending = [ex.submit(call, server.url, "/generate", body) for _ in range(4)]
-        _wait_running(server.url, 1)
-        threading.Event().wait(0.2)
-        load(server.url, models[1], "v1")
+        _wait_running(server.url, 4)
+        # held in place (not retracted) so that all four are mid-sequence when the update lands, however
+        # fast the machine decodes
+        assert call(server.url, "/pause_generation", {"mode": "in_place"})[0] == 200
+        try:
+            load(server.url, models[1], "v1")
+        finally:
+            assert call(server.url, "/continue_generation", {})[0] == 200
         results = [p.result(timeout=120) for p in pending]
     for status, res in results:
         assert status == 200 and len(res["output_ids"]) == n

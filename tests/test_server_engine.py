@@ -63,13 +63,16 @@ def assert_logprobs_match(hf, r: Request, temp: float) -> None:
 
 
 class CountingModel:
-    """Wraps the engine's model and records the rows (slot, start, length, first) of each forward."""
+    """Wraps the engine's model and records the rows (slot, start, length, first) of each forward;
+    ``delay_s`` slows every forward, so that a test can act between steps however fast the machine."""
 
-    def __init__(self, model) -> None:
-        self.model, self.forwards = model, []
+    def __init__(self, model, delay_s: float = 0.0) -> None:
+        self.model, self.forwards, self.delay_s = model, [], delay_s
 
     def __call__(self, tokens, batch, cache):
         self.forwards.append(batch.rows)
+        if self.delay_s:
+            threading.Event().wait(self.delay_s)
         return self.model(tokens, batch, cache)
 
 
@@ -125,7 +128,8 @@ def test_retracted_samples_share_the_prompt_again(tiny_llama, engine_for) -> Non
     from transformers import AutoModelForCausalLM
 
     engine = engine_for(tiny_llama)
-    counting = engine.model = CountingModel(engine.model)
+    # 5 ms a step: the retract below lands while the samples are mid-sequence, not after they finished
+    counting = engine.model = CountingModel(engine.model, delay_s=0.005)
     greedy = SamplingParams(max_new_tokens=150, temperature=0, ignore_eos=True)
     done: dict[str, Request] = {}
     finished = threading.Event()
@@ -141,7 +145,8 @@ def test_retracted_samples_share_the_prompt_again(tiny_llama, engine_for) -> Non
     engine.pause("retract")
     engine.resume()
     assert finished.wait(120)
-    assert any(start > 0 and n > 1 for rows in counting.forwards for _, start, n, _ in rows)
+    assert any(start > 0 and n > 1 for rows in counting.forwards for _, start, n, _ in rows), \
+        f"no prefill after the retract: {len(counting.forwards)} forwards"
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     ref = hf_greedy(hf, PROMPTS[0], 150)
     for r in done.values():

@@ -170,24 +170,29 @@ def test_abort_matches_the_exact_rid_only(server) -> None:
     exactly; children of a batch are aborted one by one (or with abort_all)."""
     long = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(4) as ex:
-        job = ex.submit(call, server.url, "/generate", {"input_ids": [1, 2], "rid": "job", "sampling_params": long})
         job7 = ex.submit(call, server.url, "/generate", {"input_ids": [3, 4], "rid": "job_7",
                                                          "sampling_params": long})
         batch = ex.submit(call, server.url, "/generate", {"input_ids": [[5, 6], [7, 8]], "rid": "b",
                                                           "sampling_params": long})
+        _wait_running(server.url, 3)
+        job = ex.submit(call, server.url, "/generate", {"input_ids": [1, 2], "rid": "job", "sampling_params": long})
         _wait_running(server.url, 4)
-        assert call(server.url, "/abort_request", {"rid": "job"})[0] == 200
-        status, res = job.result(timeout=20)
-        assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "abort"
-        assert call(server.url, "/abort_request", {"rid": "b"})[0] == 200  # no request has this exact id
-        assert call(server.url, "/abort_request", {"rid": "b_1"})[0] == 200
-        time.sleep(0.3)
-        # On a fast machine a request may have decoded all its tokens by now ("length"); what it must
-        # not be is aborted by an abort that named another request.
-        assert not job7.done() or _reason(job7.result()[1]) == "length", "aborting 'job' aborted 'job_7'"
-        assert not batch.done() or _reason(batch.result()[1][0]) == "length", "aborting 'b_1' or 'b' ended 'b_0'"
-        assert call(server.url, "/abort_request", {"rid": "job_7"})[0] == 200
-        assert call(server.url, "/abort_request", {"rid": "b_0"})[0] == 200
+        # Paused in place, nothing decodes, so no request can end by length while the aborts are checked
+        # ("job" started last and had 4,000 tokens to go); a request that ended before the pause did so by length.
+        assert call(server.url, "/pause_generation", {"mode": "in_place"})[0] == 200
+        try:
+            assert call(server.url, "/abort_request", {"rid": "job"})[0] == 200
+            status, res = job.result(timeout=20)
+            assert status == 200 and _reason(res) == "abort"
+            assert call(server.url, "/abort_request", {"rid": "b"})[0] == 200  # no request has this exact id
+            assert call(server.url, "/abort_request", {"rid": "b_1"})[0] == 200
+            time.sleep(0.3)
+            assert not job7.done() or _reason(job7.result()[1]) == "length", "aborting 'job' aborted 'job_7'"
+            assert not batch.done() or _reason(batch.result()[1][0]) == "length", "aborting 'b_1' or 'b' ended 'b_0'"
+            assert call(server.url, "/abort_request", {"rid": "job_7"})[0] == 200
+            assert call(server.url, "/abort_request", {"rid": "b_0"})[0] == 200
+        finally:
+            assert call(server.url, "/continue_generation", {})[0] == 200
         assert _reason(job7.result(timeout=20)[1]) in ("abort", "length")
         status, both = batch.result(timeout=20)
     assert status == 200 and [r["meta_info"]["id"] for r in both] == ["b_0", "b_1"]

@@ -22,6 +22,7 @@ from megatron_areal.server.kv_cache import KVCache
 from megatron_areal.server.model import CausalLM, rope_inv_freq
 from megatron_areal.server.sampler import SamplingParams, sample
 from megatron_areal.server.scheduler import Request, Scheduler
+from megatron_areal.server.step_lock import StepLock
 from megatron_areal.server.weights import (
     WeightError,
     check_bucket_offsets,
@@ -88,7 +89,7 @@ class Engine:
         self.groups: dict[str, WeightUpdateGroup] = {}
         self._update_session = False  # between /begin_weight_update and /end_weight_update
         self._seeds = random.Random(opts.seed)
-        self._lock = threading.Lock()  # held by a model step and by control operations
+        self._lock = StepLock()  # held by a model step and by control operations (which go first)
         self._work = threading.Event()  # set when the runner may have something to do
         self._inbox: list[Request] = []
         self._inbox_lock = threading.Lock()
@@ -190,7 +191,7 @@ class Engine:
             torch.cuda.set_device(self.device)  # kernels and allocations of this thread
         while not self._stopping:
             self._work.wait(timeout=REPROBE_S if self._broken else None)
-            with self._lock:
+            with self._lock.for_step():
                 if self._stopping:
                     return
                 self.scheduler.waiting.extend(self._drain_inbox())
