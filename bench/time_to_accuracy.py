@@ -19,7 +19,9 @@ A*. ``RESULT time_to_accuracy_vs_plain T_plain(A*) / T_ours(A*)``: above 1 the m
 sooner. Each accuracy is on 200 problems (binomial standard error about 3 points), evaluated every
 ``--eval-every`` steps, so a single run resolves differences of a few evaluation intervals only.
 
-Takes about twice the main job's time (25-30 minutes on a 2-core machine).
+Takes about twice the main job's time (25-30 minutes on a 2-core machine). The arms run one after
+the other, so run it on a quiet machine: other work during one arm only biases the ratio (both
+arms print the load average at their end).
 
     python bench/time_to_accuracy.py [--config configs/smollm2_arith.yaml --eval-every 4 --seed 1]
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -81,14 +84,16 @@ def main() -> None:
 
     run_dir = args.keep or Path(tempfile.mkdtemp(prefix="time_to_accuracy-")) / "ours"
     ours, ours_wall = run_ours(args, run_dir)
-    print(f"ours: {len(ours)} evaluations, whole command {ours_wall:.0f} s", flush=True)
+    print(f"ours: {len(ours)} evaluations, whole command {ours_wall:.0f} s (load average at the end "
+          f"{os.getloadavg()[1]:.1f} over 5 min)", flush=True)
     curve("ours", ours)
 
     args.budget_s = ours[-1]["train_s"]
     t0 = time.monotonic()
     plain = plain_grpo.run(args, log=lambda line: print(line, flush=True))
     plain_wall = time.monotonic() - t0
-    print(f"plain: {len(plain)} evaluations, whole run {plain_wall:.0f} s (model load included)")
+    print(f"plain: {len(plain)} evaluations, whole run {plain_wall:.0f} s (model load included; load average "
+          f"at the end {os.getloadavg()[1]:.1f} over 5 min)")
     curve("plain", plain)
 
     if abs(ours[0]["accuracy"] - plain[0]["accuracy"]) > 0.03:  # same model, same problems, both greedy
