@@ -49,8 +49,7 @@ def packed_rotary(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor
     cos, sin = _tables(cu_seqlens, freqs, t.dtype)
     rot = cos.size(-1)
     head, rest = t[..., :rot], t[..., rot:]
-    x1, x2 = head.chunk(2, dim=-1)
-    rotated = head * cos + torch.cat((-x2, x1), dim=-1) * sin
+    rotated = head * cos + rope_utils._rotate_half(head, False) * sin
     return rotated if rest.size(-1) == 0 else torch.cat((rotated, rest), dim=-1)
 
 
