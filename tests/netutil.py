@@ -5,7 +5,8 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -39,3 +40,15 @@ def http_call(url: str, path: str, body: Any = None, *, raw: bytes | None = None
         return status, json.loads(text, parse_constant=parse_constant)
     except json.JSONDecodeError:
         return status, text
+
+
+@contextmanager
+def paused(url: str, mode: str = "in_place", *, key: str | None = None) -> Iterator[None]:
+    """The server paused (``in_place``: running requests keep their slots and do not decode) for the
+    body of the ``with``, and generating again afterwards even when the body fails, so a failing test
+    cannot leave a shared server paused for the next one."""
+    assert http_call(url, "/pause_generation", {"mode": mode}, key=key)[0] == 200
+    try:
+        yield
+    finally:
+        assert http_call(url, "/continue_generation", {}, key=key)[0] == 200

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from netutil import http_call
+from netutil import http_call, paused
 
 from megatron_areal.assets import make_tiny_model
 from megatron_areal.realloc.group import WeightUpdateGroup
@@ -237,13 +237,9 @@ def test_queue_full_answers_503(models) -> None:
             _wait_running(srv.url)
             queued = ex.submit(call, srv.url, "/generate", long, key=None)
             _wait_running(srv.url, 1, field="num_waiting_reqs")
-            # paused in place, the first request keeps the only slot however fast the machine decodes
-            assert call(srv.url, "/pause_generation", {"mode": "in_place"}, key=None)[0] == 200
-            try:
+            with paused(srv.url):  # the first request keeps the only slot however fast the machine decodes
                 status, reply = call(srv.url, "/generate", long, key=None)
                 assert status == 503 and "queue full" in reply["error"]["message"], (status, reply)
-            finally:
-                assert call(srv.url, "/continue_generation", {}, key=None)[0] == 200
             assert call(srv.url, "/abort_request", {"abort_all": True}, key=None)[0] == 200
             assert first.result(60)[0] == 200 and queued.result(60)[0] == 200
         ok = call(srv.url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}, key=None)
@@ -329,11 +325,8 @@ def test_concurrent_generation_survives_weight_update(server, models) -> None:
         _wait_running(server.url, 4)
         # held in place (not retracted) so that all four are mid-sequence when the update lands, however
         # fast the machine decodes
-        assert call(server.url, "/pause_generation", {"mode": "in_place"})[0] == 200
-        try:
+        with paused(server.url, key=KEY):
             load(server.url, models[1], "v1")
-        finally:
-            assert call(server.url, "/continue_generation", {})[0] == 200
         results = [p.result(timeout=120) for p in pending]
     for status, res in results:
         assert status == 200 and len(res["output_ids"]) == n
@@ -350,13 +343,10 @@ def test_retract_pause_resumes_same_request_under_new_weights(server, models) ->
     with ThreadPoolExecutor(1) as ex:
         pending = ex.submit(call, server.url, "/generate", body)
         _wait_running(server.url)
-        try:
-            assert call(server.url, "/pause_generation", {"mode": "retract"})[0] == 200
+        with paused(server.url, "retract", key=KEY):
             time.sleep(0.2)
             assert not pending.done()
             load(server.url, models[1], "v1")
-        finally:  # a failure here must not leave the shared server paused for the next tests
-            assert call(server.url, "/continue_generation", {})[0] == 200
         status, res = pending.result(timeout=120)
     assert status == 200 and len(res["output_ids"]) == n
     spans = res["meta_info"]["weight_versions"]

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 from engine_jobs import run_jobs
-from netutil import http_call
+from netutil import http_call, paused
 
 from megatron_areal.assets import make_tiny_model
 from megatron_areal.server.engine import Engine, EngineOptions
@@ -179,8 +179,7 @@ def test_abort_matches_the_exact_rid_only(server) -> None:
         _wait_running(server.url, 4)
         # Paused in place, nothing decodes, so no request can end by length while the aborts are checked
         # ("job" started last and had 4,000 tokens to go); a request that ended before the pause did so by length.
-        assert call(server.url, "/pause_generation", {"mode": "in_place"})[0] == 200
-        try:
+        with paused(server.url):
             assert call(server.url, "/abort_request", {"rid": "job"})[0] == 200
             status, res = job.result(timeout=20)
             assert status == 200 and _reason(res) == "abort"
@@ -191,8 +190,6 @@ def test_abort_matches_the_exact_rid_only(server) -> None:
             assert not batch.done() or _reason(batch.result()[1][0]) == "length", "aborting 'b_1' or 'b' ended 'b_0'"
             assert call(server.url, "/abort_request", {"rid": "job_7"})[0] == 200
             assert call(server.url, "/abort_request", {"rid": "b_0"})[0] == 200
-        finally:
-            assert call(server.url, "/continue_generation", {})[0] == 200
         assert _reason(job7.result(timeout=20)[1]) in ("abort", "length")
         status, both = batch.result(timeout=20)
     assert status == 200 and [r["meta_info"]["id"] for r in both] == ["b_0", "b_1"]
