@@ -230,8 +230,9 @@ def test_200_concurrent_requests_complete(server) -> None:
 
 
 def test_queue_full_answers_503(models) -> None:
-    with start_embedded(models[0], args=["--max-running", "1", "--max-queue", "1", "--context-length", "4096"]) as srv:
-        long = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    # 30,000 tokens: the first request must still be decoding when the second is seen waiting
+    with start_embedded(models[0], args=["--max-running", "1", "--max-queue", "1", "--context-length", "32768"]) as srv:
+        long = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 30000, "ignore_eos": True}}
         with ThreadPoolExecutor(3) as ex:
             first = ex.submit(call, srv.url, "/generate", long, key=None)
             _wait_running(srv.url)
