@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
 
 
 class UnsupportedModelError(ValueError):
@@ -36,6 +37,17 @@ class ModelArch:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture-of-Experts (Qwen3-MoE): every layer's MLP is ``num_experts`` experts of width
+    # ``moe_intermediate_size``, of which a softmax router picks ``num_experts_per_tok`` per token.
+    num_experts: int = 0  # 0: a dense MLP of width ``intermediate_size``
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the chosen experts' probabilities to sum to 1
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +71,24 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta if theta is not None else 10000.0), scaling
 
 
+def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    sparse_step = int(cfg.get("decoder_sparse_step", 1))
+    dense_layers = list(cfg.get("mlp_only_layers") or [])
+    if sparse_step != 1 or dense_layers:
+        raise UnsupportedModelError(
+            f"{source}: decoder_sparse_step {sparse_step} / mlp_only_layers {dense_layers}: only models whose "
+            "every layer is a MoE layer (decoder_sparse_step 1, no mlp_only_layers) are supported")
+    return dict(
+        num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+    )
+
+
 def arch_from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelArch:
     """Build a ModelArch from an HF ``config.json`` dict; unsupported families are refused."""
     model_type = cfg.get("model_type")
@@ -75,7 +105,8 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelArc
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size") or 0) if model_type in MOE_MODEL_TYPES
+            else int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -85,10 +116,11 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelArc
             rope_theta=theta,
             rope_scaling=scaling,
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(cfg, model_type, source),
         )
     except KeyError as e:
         raise UnsupportedModelError(f"{source}: missing required key {e.args[0]!r}") from None
