@@ -25,6 +25,8 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel (MoE models): ranks the experts are split over, within data parallel
+    etp: int = 1  # expert tensor parallel (MoE models): ranks each expert's weights are split over
     sequence_parallel: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
     max_tokens_per_mb: int = 4096  # token budget of one packed micro-batch (>= model.max_seq_len)
@@ -33,6 +35,8 @@ class ParallelConfig:
     def validate(self) -> None:
         require(self.tp >= 1, "tp", "must be >= 1")
         require(self.pp >= 1, "pp", "must be >= 1")
+        require(self.ep >= 1, "ep", "must be >= 1")
+        require(self.etp >= 1, "etp", "must be >= 1")
         require(self.max_tokens_per_mb > 0, "max_tokens_per_mb", "must be positive")
         require(not self.sequence_parallel or self.tp > 1, "sequence_parallel", "needs tp > 1")
 
