@@ -33,8 +33,8 @@ import torch
 from megatron_areal.assets import smollm2_path
 from megatron_areal.data.arithmetic import arithmetic_train
 from megatron_areal.data.template import encode_prompt
+from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.rollout.client import RolloutClient
-from megatron_areal.server.local import start_embedded
 
 BATCH = 32
 TEMPERATURE = 0.7

@@ -67,8 +67,8 @@ def main(argv: list[str]) -> int:
 
     from megatron_areal.assets import resolve_model
     from megatron_areal.data.tasks import load_task
+    from megatron_areal.launch.embedded import start_embedded
     from megatron_areal.reward import RewardConfig, RewardService
-    from megatron_areal.server.local import start_embedded
 
     parser = argparse.ArgumentParser(prog="megatron-areal eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

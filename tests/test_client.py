@@ -8,9 +8,10 @@ import pytest
 from aiohttp import web
 
 from megatron_areal.assets import make_tiny_model
+from megatron_areal.launch.embedded import start_embedded
+from megatron_areal.netutil import free_port
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.rollout.client import GenerateResult, RolloutClient, ServerError
-from megatron_areal.server.local import free_port, start_embedded
 from megatron_areal.server.weights import read_safetensors
 
 KEY = "k"

@@ -271,9 +271,9 @@ def test_with_embedded_server_across_weight_updates(tiny_llama):
     from transformers import AutoTokenizer
 
     from megatron_areal.data import PromptStream, encode_prompt, load_task
+    from megatron_areal.launch.embedded import start_embedded
     from megatron_areal.reward import RewardConfig, RewardService
     from megatron_areal.rollout.client import RolloutClient
-    from megatron_areal.server.local import start_embedded
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
     stream = PromptStream(load_task("arithmetic", seed=0, size=64), seed=0)

@@ -18,10 +18,11 @@ import pytest
 from netutil import free_ports
 
 from megatron_areal.config import load_config
+from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.local import local_plan, port_free
 from megatron_areal.launch.plan import ServerSlot
 from megatron_areal.launch.procs import ProcessSet
-from megatron_areal.launch.registry import LaunchError, wait_for_servers
+from megatron_areal.launch.registry import wait_for_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -143,7 +143,7 @@ def servers(trainer: dict[str, Any]):
 
 
 def _start_servers(model: Path, n: int) -> list[Any]:
-    from megatron_areal.server.local import start_embedded
+    from megatron_areal.launch.embedded import start_embedded
 
     if n == 0:
         return []
@@ -293,7 +293,7 @@ def test_mismatched_bucket_is_refused_and_old_weights_stay(world: dict[str, Any]
 
 
 def test_killed_server_is_dropped_and_sync_goes_on(world: dict[str, Any]) -> None:
-    from megatron_areal.server.local import start_embedded
+    from megatron_areal.launch.embedded import start_embedded
 
     survivor, victim = world["servers"]
     world["pool"].run(_w_step, 2)

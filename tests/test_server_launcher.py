@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_areal.launch.errors import LaunchError
+from megatron_areal.launch.server_process import start_server, stop_server, wait_healthy
+from megatron_areal.launch.sglang import SGLangLaunch
 from megatron_areal.netutil import free_port
-from megatron_areal.server.sglang_launcher import LaunchError, SGLangLaunch, start_server, stop_server, wait_healthy
 
 
 def test_sglang_command_has_rollout_flags() -> None:

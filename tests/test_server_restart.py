@@ -176,7 +176,7 @@ def _version(url: str) -> str:
 def test_weight_sync_readmits_a_restarted_server(tmp_path: Path) -> None:
     from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
-    from megatron_areal.server.local import start_embedded
+    from megatron_areal.launch.embedded import start_embedded
 
     model = make_tiny_model(tmp_path / "model", "llama", seed=3)
     servers = [start_embedded(model), start_embedded(model)]

@@ -14,7 +14,7 @@ from pathlib import Path
 from megatron_areal.config import Config
 from megatron_areal.configbase import load_yaml, parse_override
 from megatron_areal.launch.plan import Plan, ServerSlot
-from megatron_areal.server.sglang_launcher import SGLangLaunch
+from megatron_areal.launch.sglang import SGLangLaunch
 
 
 def resolved_model_path(cfg: Config) -> str:

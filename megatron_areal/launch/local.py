@@ -14,10 +14,11 @@ from megatron_areal.config import Config
 from megatron_areal.launch.commands import role_env, server_command, trainer_command
 from megatron_areal.launch.control import clear_requests
 from megatron_areal.launch.describe import describe
+from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.progress import RunProgress
-from megatron_areal.launch.registry import LaunchError, clear_registrations, wait_for_servers
+from megatron_areal.launch.registry import clear_registrations, wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
 from megatron_areal.netutil import free_port
 from megatron_areal.rundir import RunDir

@@ -24,13 +24,13 @@ from types import FrameType
 from megatron_areal.config import Config, load_config
 from megatron_areal.launch.commands import role_env, server_command, trainer_command
 from megatron_areal.launch.control import request_checkpoint
+from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.launch.procs import Child, ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key
+from megatron_areal.launch.server_process import wait_healthy
 from megatron_areal.rundir import RunDir
 from megatron_areal.server.cli import write_registration
-from megatron_areal.server.sglang_launcher import LaunchError as SGLangLaunchError
-from megatron_areal.server.sglang_launcher import wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, pr
     if cfg.server.engine == "sglang":
         try:
             _register_when_healthy(started, cfg, reg)
-        except SGLangLaunchError as e:
+        except LaunchError as e:
             logger.error("%s", e)
             return 1
     keeper = ServerKeeper(procs, {child.name: child for _, child in started},

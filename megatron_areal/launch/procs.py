@@ -34,6 +34,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def log_tail(path: str | Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log, for an error message ("(no log)" when it cannot be read)."""
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
 def open_private_log(path: Path) -> BinaryIO:
     """Append to ``path``, readable by its owner only (0600, also when an earlier attempt made it
     with a wider mode): a server's log may hold what its program prints about its own settings
@@ -59,11 +68,7 @@ class Child:
         return self.popen.poll()
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
+        return log_tail(self.log_path, lines)
 
 
 class ProcessSet:

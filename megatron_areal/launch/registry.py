@@ -14,13 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.plan import ServerSlot
 
 logger = logging.getLogger(__name__)
-
-
-class LaunchError(RuntimeError):
-    """A launch step failed; the message says what and where."""
 
 
 def clear_registrations(reg_dir: Path) -> None:

@@ -1,4 +1,7 @@
-"""Start embedded servers as child processes (local runs, tests, benchmarks)."""
+"""The embedded server as a child process of this one (tests, benchmarks, ``megatron-areal eval``).
+
+A run's servers are started by the launcher instead (``launch/local.py``, ``launch/node_role.py``).
+"""
 from __future__ import annotations
 
 import subprocess
@@ -7,17 +10,20 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_areal.launch.server_process import start_server, stop_server
 from megatron_areal.netutil import free_port
-from megatron_areal.server.sglang_launcher import start_server, stop_server
 
 
 @dataclass
 class LocalServer:
+    """A running embedded server: its process, URL and log; a context manager that stops it."""
+
     proc: subprocess.Popen
     url: str
     log_path: Path
 
     def stop(self) -> None:
+        """Stop the server process (SIGTERM, then SIGKILL) and reap it."""
         stop_server(self.proc)
 
     def __enter__(self) -> LocalServer:
