@@ -12,7 +12,15 @@ from megatron_areal.config import Config
 from megatron_areal.launch.plan import Plan
 from megatron_areal.model.arch import ModelArch, UnsupportedModelError, load_arch
 from megatron_areal.model.catalogue import resolve_arch
-from megatron_areal.model.counts import BF16_BYTES, OPTIMIZER_BYTES, WEIGHT_GRAD_BYTES, param_count
+from megatron_areal.model.counts import (
+    BF16_BYTES,
+    OPTIMIZER_BYTES,
+    WEIGHT_GRAD_BYTES,
+    active_param_count,
+    expert_param_count,
+    param_count,
+    trainer_state_bytes,
+)
 
 GB = 1e9
 # The paper's staleness ablation: AIME24 holds up to eta = 8 with decoupled PPO and drops at 16.
@@ -64,13 +72,14 @@ def check_plan(plan: Plan, cfg: Config, eta_explicit: bool, *, model_here: bool 
         return  # the sizing checks below would only repeat that the model is unknown
     if arch is not None or known is not None:
         _check_shapes(plan, arch or known)
+    _check_experts(plan, cfg, arch or known)
     if plan.gpus_per_node > 0:
         params = model_params(cfg, arch, known)
         if params is None:
             plan.errors.append(f"cannot size the model: {cfg.model.path} is not a local HF folder nor a "
                                "known model; set cluster.model_params_b")
         else:
-            _check_memory(plan, cfg, params)
+            _check_memory(plan, cfg, params, arch or known)
 
 
 def _check_model_path(plan: Plan, cfg: Config, arch: ModelArch | None, known: ModelArch | None,
@@ -151,19 +160,63 @@ def _check_shapes(plan: Plan, arch: ModelArch) -> None:
         if arch.num_heads % tp or arch.num_kv_heads % tp and tp % arch.num_kv_heads:
             plan.errors.append(f"{arch.num_heads} attention heads / {arch.num_kv_heads} KV heads "
                                f"cannot be split by {name} = {tp}")
+    if arch.is_moe and arch.moe_intermediate_size % plan.server_tp:
+        plan.errors.append(f"server.tp ({plan.server_tp}) does not divide the experts' width "
+                           f"(moe_intermediate_size {arch.moe_intermediate_size}) the server shards")
 
 
-def _check_memory(plan: Plan, cfg: Config, params: float) -> None:
+def _check_experts(plan: Plan, cfg: Config, arch: ModelArch | None) -> None:
+    """Expert parallelism: EP ranks come out of data parallel and each holds the same number of whole
+    experts; Megatron lays the experts out over ETP x EP x expert-DP x PP = all trainer ranks."""
+    ep, etp, t = cfg.parallel.ep, cfg.parallel.etp, plan.trainer
+    if ep == 1 and etp == 1:
+        return
+    failed = len(plan.errors)
+    if arch is not None and not arch.is_moe:
+        plan.errors.append(f"parallel.ep ({ep}) / parallel.etp ({etp}) apply to Mixture-of-Experts models; "
+                           f"{cfg.model.path} is dense (set both to 1)")
+        return
+    if arch is not None and arch.num_experts % ep:
+        plan.errors.append(f"parallel.ep ({ep}) does not divide the model's {arch.num_experts} experts "
+                           "(num_experts): every EP rank must hold the same number of whole experts")
+    if arch is not None and arch.moe_intermediate_size % etp:
+        plan.errors.append(f"parallel.etp ({etp}) does not divide the experts' width "
+                           f"(moe_intermediate_size {arch.moe_intermediate_size})")
+    if t.dp % ep:
+        plan.errors.append(f"parallel.ep ({ep}) does not divide the trainer's data-parallel size ({t.dp}): "
+                           "expert parallelism is laid out within data parallel")
+    unit = etp * ep * t.pp
+    if t.world_size % unit:
+        plan.errors.append(f"trainer GPUs ({t.world_size}) are not divisible by parallel.etp * parallel.ep * "
+                           f"parallel.pp ({etp} * {ep} * {t.pp} = {unit})")
+    if arch is not None and len(plan.errors) == failed:
+        plan.notes.append(f"trainer experts: EP {ep} x ETP {etp} x PP {t.pp}, expert DP {t.world_size // unit}; "
+                          f"{arch.num_experts // ep} of {arch.num_experts} experts per EP rank")
+
+
+def _check_memory(plan: Plan, cfg: Config, params: float, arch: ModelArch | None = None) -> None:
     t, cap = plan.trainer, cfg.cluster.gpu_memory_gb * GB
     opt_shards = max(t.dp, 1) if cfg.optimizer.distributed else 1
-    per_gpu = params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES / opt_shards) / (t.tp * t.pp)
-    plan.notes.append(
-        f"trainer model state per GPU: {params / 1e9:.2f}B params x ({WEIGHT_GRAD_BYTES} + "
-        f"{OPTIMIZER_BYTES}/{opt_shards}) B / (TP {t.tp} x PP {t.pp}) = {per_gpu / GB:.1f} GB "
-        f"of {cap / GB:.0f} GB")
+    if arch is not None and arch.is_moe:
+        ep, etp = cfg.parallel.ep, cfg.parallel.etp
+        per_gpu = trainer_state_bytes(arch, tp=t.tp, pp=t.pp, dp=max(t.dp, 1), ep=ep, etp=etp,
+                                      distributed_optimizer=cfg.optimizer.distributed)
+        experts = expert_param_count(arch)
+        shared, active = param_count(arch) - experts, active_param_count(arch)
+        plan.notes.append(
+            f"trainer model state per GPU: {shared / 1e9:.2f}B non-expert params over TP {t.tp} x PP {t.pp} "
+            f"and {experts / 1e9:.2f}B expert params over ETP {etp} x EP {ep} x PP {t.pp} "
+            f"({active / 1e9:.2f}B active per token) = {per_gpu / GB:.1f} GB of {cap / GB:.0f} GB")
+    else:
+        per_gpu = params * (WEIGHT_GRAD_BYTES + OPTIMIZER_BYTES / opt_shards) / (t.tp * t.pp)
+        plan.notes.append(
+            f"trainer model state per GPU: {params / 1e9:.2f}B params x ({WEIGHT_GRAD_BYTES} + "
+            f"{OPTIMIZER_BYTES}/{opt_shards}) B / (TP {t.tp} x PP {t.pp}) = {per_gpu / GB:.1f} GB "
+            f"of {cap / GB:.0f} GB")
     if per_gpu > cap:
+        more = "parallel.tp/pp" + ("/ep" if arch is not None and arch.is_moe else "")
         plan.errors.append(f"model too large for the trainer: {per_gpu / GB:.1f} GB of weights, gradients "
-                           f"and Adam state per GPU > {cap / GB:.0f} GB; raise parallel.tp/pp")
+                           f"and Adam state per GPU > {cap / GB:.0f} GB; raise {more}")
     elif per_gpu > 0.7 * cap:
         plan.warnings.append(f"trainer model state takes {per_gpu / cap:.0%} of GPU memory; little is "
                              "left for activations")

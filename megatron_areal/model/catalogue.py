@@ -14,6 +14,17 @@ def _qwen2(v: int, h: int, i: int, layers: int, heads: int, kv: int, tie: bool, 
                      tie_word_embeddings=tie)
 
 
+def _qwen3_moe(h: int, i: int, layers: int, heads: int, moe_i: int) -> ModelArch:
+    """Qwen3-MoE: 128 experts, top-8 with renormalised weights, 4 KV heads of width 128, untied
+    embeddings; ``i`` is the config's unused dense ``intermediate_size`` (every layer is MoE)."""
+    return ModelArch(model_type="qwen3_moe", vocab_size=151936, hidden_size=h, intermediate_size=i,
+                     num_layers=layers, num_heads=heads, num_kv_heads=4, head_dim=128,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,
+                     qkv_bias=False, qk_norm=True, tie_word_embeddings=False, bos_token_id=151643,
+                     eos_token_ids=(151645,), num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=moe_i, norm_topk_prob=True, router_aux_loss_coef=0.001)
+
+
 # Shapes copied from each model's published config.json on the Hugging Face hub.
 CATALOGUE: dict[str, ModelArch] = {
     "deepseek-r1-distill-qwen-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, False, 1e4),
@@ -24,9 +35,18 @@ CATALOGUE: dict[str, ModelArch] = {
     "qwen2.5-7b": _qwen2(152064, 3584, 18944, 28, 28, 4, False, 1e6),
     "qwen2.5-14b": _qwen2(152064, 5120, 13824, 48, 40, 8, False, 1e6),
     "qwen2.5-32b": _qwen2(152064, 5120, 27648, 64, 40, 8, False, 1e6),
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B: layers, heads (32/4 and 64/4 KV), 128 experts of
+    # which 8 are active, and the totals (30.5B with 3.3B active; 235B with 22B active) from Qwen's
+    # model cards on the Hugging Face hub; hidden 2048/4096, head_dim 128, expert width 768/1536,
+    # vocab 151936, rope_theta 1e6, 40960 positions, aux-loss coefficient 0.001 and top-k
+    # renormalisation as in their config.json (the same values appear in MindSpeed-RL's
+    # configs/model/qwen3_30b_a3b.yaml and qwen3_235b_a22b.yaml). tests/test_sim.py checks the counts.
+    "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 48, 32, 768),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 94, 64, 1536),
 }
 ALIASES = {"1.5b": "deepseek-r1-distill-qwen-1.5b", "7b": "deepseek-r1-distill-qwen-7b",
-           "14b": "deepseek-r1-distill-qwen-14b", "32b": "deepseek-r1-distill-qwen-32b"}
+           "14b": "deepseek-r1-distill-qwen-14b", "32b": "deepseek-r1-distill-qwen-32b",
+           "30b-a3b": "qwen3-30b-a3b", "235b-a22b": "qwen3-235b-a22b"}
 
 
 def resolve_arch(path: str) -> tuple[str, ModelArch]:
