@@ -333,7 +333,8 @@ def _mismatch_run(hf_dir: str) -> dict:
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.rollout.trajectory import Trajectory
-    from megatron_areal.server.engine import Engine, EngineOptions
+    from megatron_areal.server.config import EngineOptions
+    from megatron_areal.server.engine import Engine
     from megatron_areal.server.sampler import SamplingParams
 
     engine = Engine(hf_dir, EngineOptions(max_running=8, context_length=64))

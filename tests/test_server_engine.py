@@ -7,7 +7,8 @@ import pytest
 import torch
 from engine_jobs import run_jobs
 
-from megatron_areal.server.engine import Engine, EngineOptions, QueueFull
+from megatron_areal.server.config import EngineOptions
+from megatron_areal.server.engine import Engine, QueueFull
 from megatron_areal.server.sampler import SamplingParams, sample
 from megatron_areal.server.scheduler import Request, Scheduler
 

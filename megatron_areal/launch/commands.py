@@ -27,10 +27,17 @@ def resolved_model_path(cfg: Config) -> str:
     return str(resolve_model(cfg.model.path).absolute())
 
 
+def context_length(cfg: Config) -> int:
+    """Tokens per sequence a rollout server is set up for: ``server.context_length``, else
+    ``model.max_seq_len`` (the longest sequence the trainer accepts)."""
+    return cfg.server.context_length or cfg.model.max_seq_len
+
+
 def sglang_spec(slot: ServerSlot, cfg: Config, model_dir: str) -> SGLangLaunch:
+    """The SGLang server of one slot of the plan."""
     return SGLangLaunch(model_path=model_dir, port=slot.port, host=slot.addr, tp=cfg.server.tp,
                         mem_fraction=cfg.server.mem_fraction, api_key=cfg.server.api_key, seed=cfg.train.seed,
-                        context_length=cfg.model.max_seq_len, max_running=cfg.server.max_running)
+                        context_length=context_length(cfg), max_running=cfg.server.max_running)
 
 
 def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path) -> list[str]:
@@ -41,7 +48,7 @@ def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path)
     cmd = [sys.executable, "-m", "megatron_areal.cli", "serve", "--model", model_dir, "--host", slot.addr,
            "--port", str(slot.port), "--register-dir", str(reg_dir), "--server-id", slot.id,
            "--max-running", str(cfg.server.max_running), "--max-queue", str(cfg.server.max_queue),
-           "--context-length", str(cfg.model.max_seq_len), "--seed", str(cfg.train.seed)]
+           "--context-length", str(context_length(cfg)), "--seed", str(cfg.train.seed)]
     if slot.gpus:
         cmd += ["--device", "cuda"]
     if cfg.model.dtype != "auto":

@@ -13,10 +13,9 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from megatron_areal.server.engine import EngineOptions
+from megatron_areal.server.config import DEFAULT_CONTEXT_LENGTH, EngineOptions, ServerConfig
 
 log = logging.getLogger(__name__)
 # After SIGTERM/SIGINT: the orderly stop (answer everyone, close the port) normally takes well under
@@ -28,16 +27,22 @@ API_KEY_ENV = "MEGATRON_AREAL_API_KEY"  # how the launcher hands the key to a se
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megatron-areal serve", description=__doc__)
     p.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model folder")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--host", default=ServerConfig.host)
+    p.add_argument("--port", type=int, default=ServerConfig.base_port, help="0 picks a free port")
     p.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' except on /health "
                    f"(visible to every user in the process list: prefer --api-key-file or ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help=f"read the key from this file (default: ${API_KEY_ENV})")
-    # The engine's options: an unset flag leaves the engine's own default (server/engine.EngineOptions).
-    p.add_argument("--max-running", type=int, help="sequences decoded together (KV cache slots)")
-    p.add_argument("--max-queue", type=int, help="waiting requests before answering 503")
-    p.add_argument("--context-length", type=int, help="tokens per KV slot (prompt + output)")
-    p.add_argument("--max-prefill-tokens", type=int, help="padded tokens per prefill batch")
+    # The engine's options: an unset flag leaves the default of server/config.EngineOptions.
+    defaults = EngineOptions()
+    p.add_argument("--max-running", type=int,
+                   help=f"sequences decoded together (KV cache slots; default {defaults.max_running})")
+    p.add_argument("--max-queue", type=int,
+                   help=f"waiting requests before answering 503 (default {defaults.max_queue})")
+    p.add_argument("--context-length", type=int,
+                   help="tokens per KV slot (prompt + output); default: the model's max_position_embeddings, "
+                        f"at most {DEFAULT_CONTEXT_LENGTH} (the cache is allocated at start)")
+    p.add_argument("--max-prefill-tokens", type=int,
+                   help=f"padded tokens per prefill batch (default {defaults.max_prefill_tokens})")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="larger request bodies get 413")
     p.add_argument("--weight-version")
     p.add_argument("--weight-group-timeout", type=float, dest="weight_group_timeout_s", metavar="SECONDS",
@@ -93,8 +98,6 @@ def write_registration(directory: str, server_id: str, info: dict[str, Any]) -> 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine's options from the flags given; the others keep ``EngineOptions``' defaults."""
-    from megatron_areal.server.engine import EngineOptions
-
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineOptions)}
     return EngineOptions(**{name: value for name, value in given.items() if value is not None})
 

@@ -1,4 +1,9 @@
-"""Settings of the rollout fleet (embedded servers or SGLang)."""
+"""Settings of the rollout servers, and the one place that holds their defaults.
+
+``EngineOptions`` are the options of one embedded inference engine (``megatron-areal serve`` leaves
+every flag that is not given at these defaults); ``ServerConfig`` is the run's ``server`` section,
+which takes its per-server defaults from ``EngineOptions``.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,22 +11,52 @@ from typing import Literal
 
 from megatron_areal.configbase import require
 
+# The longest KV slot the embedded engine sets up when no context length is given: its cache holds
+# max_running x context_length tokens from the start, and a model's whole window (8,192 tokens for
+# SmolLM2) would make it four times as large as most rollouts need.
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    """One embedded engine (``server/engine.Engine``): how many sequences it decodes together, how
+    long each may be, how many may wait, and where it runs."""
+
+    max_running: int = 32  # sequences decoded together: the KV cache's slots, allocated at start
+    max_queue: int = 1024  # waiting requests before 503
+    context_length: int | None = None  # tokens per KV slot (prompt + output); None: see context_length_for
+    max_prefill_tokens: int = 8192
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    step_stall_s: float = 120.0  # a model step running longer than this turns /health to 503
+    weight_version: str = "default"
+    weight_group_timeout_s: float = 300.0  # joining a weight-update group, and each of its collectives
+    health_timeout_s: float = 20.0  # /health while paused waits this long, then answers 503 (SGLang: 20 s)
+
+    def context_length_for(self, max_position_embeddings: int) -> int:
+        """Tokens per KV slot for a model: ``context_length`` when given (even past the model's
+        window), else the model's ``max_position_embeddings`` up to ``DEFAULT_CONTEXT_LENGTH``."""
+        return self.context_length or min(max_position_embeddings, DEFAULT_CONTEXT_LENGTH)
+
 
 @dataclass(kw_only=True)
 class ServerConfig:
+    """The run's rollout fleet: which engine, how many servers, where, and each server's limits."""
+
     engine: Literal["embedded", "sglang"] = "embedded"
     count: int = 1  # rollout servers
     tp: int = 1  # tensor-parallel size of each server
     host: str = "127.0.0.1"
     base_port: int = 30000
     api_key: str | None = None
-    max_running: int = 64  # sequences decoded together (KV slots of the embedded server)
-    max_queue: int = 1024  # waiting requests before 503
-    context_length: int | None = None  # prompt + output tokens; None: the model's, capped at 2048 (embedded)
+    max_running: int = EngineOptions.max_running  # sequences decoded together (SGLang: --max-running-requests)
+    max_queue: int = EngineOptions.max_queue  # waiting requests before 503 (embedded)
+    context_length: int | None = None  # tokens per sequence (prompt + output); None: model.max_seq_len
     mem_fraction: float = 0.85  # SGLang --mem-fraction-static
-    device: str = "cpu"  # embedded server: cpu | cuda | cuda:N
-    dtype: str | None = None  # embedded server: None = float32 on CPU, bfloat16 on CUDA
-    seed: int = 0
+    device: str = EngineOptions.device  # embedded server: cpu | cuda | cuda:N
+    dtype: str | None = EngineOptions.dtype  # embedded server: None = float32 on CPU, bfloat16 on CUDA
+    seed: int = EngineOptions.seed
     threads: int = 1  # embedded server: torch threads per server process
     startup_timeout_s: float = 600.0
     # a server that dies during the run is started again on the same port, at most this many times

@@ -11,13 +11,13 @@ import random
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 
 import torch
 
 from megatron_areal.model.arch import ModelArch, load_arch
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.attention import ForwardBatch
+from megatron_areal.server.config import EngineOptions
 from megatron_areal.server.kv_cache import KVCache
 from megatron_areal.server.model import CausalLM, rope_inv_freq
 from megatron_areal.server.sampler import SamplingParams, sample
@@ -42,21 +42,6 @@ class QueueFull(RuntimeError):
     pass
 
 
-@dataclass(kw_only=True)
-class EngineOptions:
-    max_running: int = 32
-    max_queue: int = 1024
-    context_length: int | None = None  # default: min(max_position_embeddings, 2048)
-    max_prefill_tokens: int = 8192
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
-    step_stall_s: float = 120.0  # a model step running longer than this turns /health to 503
-    weight_version: str = "default"
-    weight_group_timeout_s: float = 300.0  # joining a weight-update group, and each of its collectives
-    health_timeout_s: float = 20.0  # /health while paused waits this long, then answers 503 (SGLang: 20 s)
-
-
 class Engine:
     """The embedded server's inference engine: one model, a KV cache of ``max_running`` slots, and
     one runner thread that steps the scheduler (prefill new requests, decode running ones).
@@ -75,7 +60,7 @@ class Engine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = parse_dtype(opts.dtype) if opts.dtype else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-        self.max_len = opts.context_length or min(self.arch.max_position_embeddings, 2048)
+        self.max_len = opts.context_length_for(self.arch.max_position_embeddings)
         self.model = CausalLM(self.arch).to(dtype=self.dtype)
         self.model.inv_freq = rope_inv_freq(self.arch)  # rotary frequencies stay fp32 under bf16 weights
         load_weights(self.model, read_safetensors(model_path), complete=True)
