@@ -23,6 +23,7 @@ to restore everything (tests do this).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import importlib
 import inspect
@@ -97,12 +98,40 @@ SOURCE_EDITS: tuple[SourceEdit, ...] = (
                "pass", "torch norms are correct under sequence parallelism once their grads are reduced"),
     SourceEdit("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__", _NORM_RETURN, _NORM_RETURN_SP,
                "mark norm weights sequence-parallel for the TP grad all-reduce"),
+    # The MoE all-to-all dispatcher turns its split sizes into host numpy arrays through this
+    # helper, which skips tensors that are not on CUDA; torch.distributed.all_to_all_single then
+    # refuses the CPU tensors as split sizes ("incompatible function arguments").
+    SourceEdit("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",
+               "if torch.is_tensor(tensor) and tensor.is_cuda:", "if torch.is_tensor(tensor):",
+               "the all-to-all split sizes become host numpy arrays as on CUDA"),
 )
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "linspace", "rand", "randn",
               "randint", "randperm", "empty_like", "zeros_like", "ones_like", "full_like", "empty_strided")
 _TENSOR_NEW = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 _CUDA_NOOPS = ("synchronize", "set_device", "empty_cache")
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    """The one stream of a CPU process: the MoE all-to-all dispatcher copies its token counts to the
+    host on a side CUDA stream and waits for an event; on the CPU everything is already in order."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
 _INHERITED = object()  # marks a class attribute that was inherited, not set on the class itself
 
 
@@ -211,6 +240,12 @@ class CpuPatch:
         for name in _CUDA_NOOPS:
             self._set(torch.cuda, name, lambda *a, **k: None)
         self.wrapped += ["torch.cuda.current_device", *(f"torch.cuda.{n}" for n in _CUDA_NOOPS)]
+        # Side and current stream are the same object, so the dispatcher never records a tensor on
+        # another stream.
+        self._set(torch.cuda, "Stream", lambda *a, **k: _HOST_STREAM)
+        self._set(torch.cuda, "current_stream", lambda *a, **k: _HOST_STREAM)
+        self._set(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+        self.wrapped += ["torch.cuda.Stream", "torch.cuda.current_stream", "torch.cuda.stream"]
 
     def _redirect_rng(self) -> None:
         random = importlib.import_module(_TP_RANDOM)

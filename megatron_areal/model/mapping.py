@@ -1,4 +1,4 @@
-"""The one mapping between Hugging Face and Megatron-core GPTModel parameters (Llama/Qwen2/Qwen3).
+"""The one mapping between Hugging Face and Megatron-core GPTModel parameters (Llama/Qwen2/Qwen3, Qwen3-MoE).
 
 Every tensor of a Megatron model is described by one ``Rule``: which HF tensors it is made of, how
 they are joined (fused QKV interleaved per query group, fused gate/up, padded vocabulary) and how
@@ -9,6 +9,12 @@ Names here are *global*: ``decoder.layers.{i}`` uses the layer's index in the wh
 index inside a pipeline stage (see ``global_name``). Both the local-spec names
 (``input_layernorm.weight``) and the Transformer-Engine names (``linear_qkv.layer_norm_weight``)
 are accepted; ``canonical`` turns the latter into the former.
+
+Mixture-of-Experts layers (Qwen3-MoE) hold ``mlp.router.weight`` (HF ``mlp.gate.weight``) and, per
+expert, ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2.weight`` (Megatron's SequentialMLP).
+Global names number experts over the whole model too: ``{e}`` is the expert's index among all
+``num_experts`` (``global_name`` adds the expert-parallel rank's offset), and expert tensors are
+split over the expert-tensor-parallel ranks (``etp``), not the attention's TP ranks.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from megatron_areal.model.arch import ModelArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 
 # Transformer-Engine spec fuses the pre-norms into the following linear layer.
 _TE_ALIASES = {
@@ -55,6 +63,12 @@ _LAYER_RULES: dict[str, Rule] = {
     "pre_mlp_layernorm.weight": Rule(("post_attention_layernorm.weight",), "copy", None),
     "mlp.linear_fc1.weight": Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu", 0),
     "mlp.linear_fc2.weight": Rule(("mlp.down_proj.weight",), "copy", 1),
+    "mlp.router.weight": Rule(("mlp.gate.weight",), "copy", None),
+}
+# Keys are what follows "mlp.experts.local_experts.{e}."; "{e}" in the HF names is the global expert.
+_EXPERT_RULES: dict[str, Rule] = {
+    "linear_fc1.weight": Rule(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "glu", 0),
+    "linear_fc2.weight": Rule(("mlp.experts.{e}.down_proj.weight",), "copy", 1),
 }
 
 
@@ -80,33 +94,57 @@ def te_name(name: str) -> str:
     return name
 
 
-def global_name(local_name: str, layer_offset: int) -> str:
-    """Turn a pipeline stage's parameter name into the whole-model name."""
+def global_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """Turn a pipeline stage's parameter name into the whole-model name.
+
+    ``expert_offset`` is the global index of this rank's first expert (expert parallelism).
+    """
     m = _LAYER.match(local_name)
     if not m:
         return local_name
-    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
+    rest = m.group(2)
+    e = _EXPERT.match(rest)
+    if e:
+        rest = f"mlp.experts.local_experts.{int(e.group(1)) + expert_offset}.{e.group(2)}"
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
 
 
-def _split_name(name: str) -> tuple[int | None, Rule]:
+def _split_name(name: str) -> tuple[int | None, int | None, Rule]:
+    """(layer, expert, rule) of a global Megatron name; layer/expert None where not applicable."""
     name = canonical(name)
     m = _LAYER.match(name)
+    layer: int | None = None
+    expert: int | None = None
     if m:
-        rule = _LAYER_RULES.get(m.group(2))
-        layer: int | None = int(m.group(1))
+        layer = int(m.group(1))
+        e = _EXPERT.match(m.group(2))
+        if e:
+            expert = int(e.group(1))
+            rule = _EXPERT_RULES.get(e.group(2))
+        else:
+            rule = _LAYER_RULES.get(m.group(2))
     else:
-        rule, layer = _GLOBAL_RULES.get(name), None
+        rule = _GLOBAL_RULES.get(name)
     if rule is None:
         raise MappingError(f"no HF mapping for Megatron parameter {name!r}")
-    return layer, rule
+    return layer, expert, rule
 
 
 def hf_names(name: str) -> tuple[str, ...]:
     """The HF tensors a Megatron parameter is made of."""
-    layer, rule = _split_name(name)
+    layer, expert, rule = _split_name(name)
     if layer is None:
         return rule.hf
-    return tuple(f"model.layers.{layer}.{t}" for t in rule.hf)
+    return tuple(f"model.layers.{layer}.{t.format(e=expert)}" for t in rule.hf)
+
+
+def expert_index(name: str) -> int | None:
+    """The global expert a Megatron parameter belongs to; None for everything outside the experts."""
+    return _split_name(name)[1]
+
+
+def is_expert(name: str) -> bool:
+    return expert_index(name) is not None
 
 
 def mcore_names(arch: ModelArch) -> list[str]:
@@ -116,8 +154,13 @@ def mcore_names(arch: ModelArch) -> list[str]:
         per_layer.append("self_attention.linear_qkv.bias")
     if arch.qk_norm:
         per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-    per_layer += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
-                  "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    per_layer += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight"]
+    if arch.is_moe:
+        per_layer.append("mlp.router.weight")
+        per_layer += [f"mlp.experts.local_experts.{e}.{p}" for e in range(arch.num_experts)
+                      for p in ("linear_fc1.weight", "linear_fc2.weight")]
+    else:
+        per_layer += ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     names = ["embedding.word_embeddings.weight"]
     names += [f"decoder.layers.{i}.{p}" for i in range(arch.num_layers) for p in per_layer]
     names.append("decoder.final_layernorm.weight")
@@ -131,6 +174,10 @@ def hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
     h, hd = arch.hidden_size, arch.head_dim
     m = _HF_LAYER.match(hf_name)
     suffix = m.group(2) if m else hf_name
+    e = _HF_EXPERT.match(suffix) if m and arch.is_moe else None
+    if e and 0 <= int(e.group(1)) < arch.num_experts:
+        suffix = f"mlp.experts.{{e}}.{e.group(2)}"
+    ffn = arch.moe_intermediate_size
     shapes = {
         "model.embed_tokens.weight": (arch.vocab_size, h),
         "lm_head.weight": (arch.vocab_size, h),
@@ -150,6 +197,11 @@ def hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
         "mlp.up_proj.weight": (arch.intermediate_size, h),
         "mlp.down_proj.weight": (h, arch.intermediate_size),
     }
+    if arch.is_moe:  # every layer is a MoE layer: no dense MLP tensors
+        for dense in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            del shapes[dense]
+        shapes.update({"mlp.gate.weight": (arch.num_experts, h), "mlp.experts.{e}.gate_proj.weight": (ffn, h),
+                       "mlp.experts.{e}.up_proj.weight": (ffn, h), "mlp.experts.{e}.down_proj.weight": (h, ffn)})
     if suffix not in shapes or (m and not 0 <= int(m.group(1)) < arch.num_layers):
         raise MappingError(f"HF tensor {hf_name!r} is not part of a {arch.model_type} model")
     return shapes[suffix]
@@ -162,7 +214,7 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
 
 def join(arch: ModelArch, name: str, tensors: Sequence[torch.Tensor], padded_vocab: int) -> torch.Tensor:
     """Build the full (TP-unsplit) Megatron tensor ``name`` from its HF tensors (``hf_names`` order)."""
-    _, rule = _split_name(name)
+    rule = _split_name(name)[2]
     if rule.kind == "copy":
         return tensors[0]
     if rule.kind == "vocab":
@@ -183,7 +235,7 @@ def join(arch: ModelArch, name: str, tensors: Sequence[torch.Tensor], padded_voc
 def split(arch: ModelArch, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Inverse of ``join``: the HF (name, tensor) pairs a full Megatron tensor holds."""
     targets = hf_names(name)
-    _, rule = _split_name(name)
+    rule = _split_name(name)[2]
     if rule.kind == "copy":
         return [(targets[0], tensor)]
     if rule.kind == "vocab":
@@ -200,12 +252,16 @@ def split(arch: ModelArch, name: str, tensor: torch.Tensor) -> list[tuple[str, t
 
 
 def tp_dim(name: str) -> int | None:
-    return _split_name(name)[1].tp_dim
+    """The dimension split over TP ranks (for experts: over expert-TP ranks); None: replicated."""
+    return _split_name(name)[2].tp_dim
 
 
 def shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's slice of a full Megatron tensor (fused gate/up: each rank holds both halves)."""
-    _, rule = _split_name(name)
+    """This TP rank's slice of a full Megatron tensor (fused gate/up: each rank holds both halves).
+
+    For expert tensors pass the expert-tensor-parallel rank and size.
+    """
+    rule = _split_name(name)[2]
     if rule.tp_dim is None or tp_size == 1:
         return full
     if rule.kind == "glu":
@@ -218,7 +274,7 @@ def shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Te
 
 def gather(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """Inverse of ``shard``: the full tensor from every TP rank's slice, in rank order."""
-    _, rule = _split_name(name)
+    rule = _split_name(name)[2]
     if rule.tp_dim is None or len(shards) == 1:
         return shards[0]
     if rule.kind == "glu":
@@ -241,7 +297,23 @@ def to_hf(arch: ModelArch, named_full: Iterator[tuple[str, torch.Tensor]] | Sequ
 
 def check_tp(arch: ModelArch, tp_size: int) -> None:
     """Refuse a TP size the model's heads or MLP cannot be split into."""
-    for what, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
-                    ("intermediate_size", arch.intermediate_size)):
+    sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads)]
+    if not arch.is_moe:  # a MoE model's experts are split over expert TP instead (check_ep)
+        sizes.append(("intermediate_size", arch.intermediate_size))
+    for what, n in sizes:
         if n % tp_size:
             raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")
+
+
+def check_ep(arch: ModelArch, ep_size: int, etp_size: int) -> None:
+    """Refuse an expert-parallel layout the model's experts cannot be split into."""
+    if not arch.is_moe:
+        if ep_size != 1 or etp_size != 1:
+            raise ValueError(f"parallel.ep={ep_size} / parallel.etp={etp_size}: {arch.model_type} has no experts; "
+                             "expert parallelism needs a MoE model (ep=1, etp=1)")
+        return
+    if arch.num_experts % ep_size:
+        raise ValueError(f"parallel.ep={ep_size} must divide the model's num_experts={arch.num_experts}")
+    if arch.moe_intermediate_size % etp_size:
+        raise ValueError(f"parallel.etp={etp_size} must divide the model's "
+                         f"moe_intermediate_size={arch.moe_intermediate_size}")
