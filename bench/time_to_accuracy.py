@@ -28,9 +28,7 @@ arms print the load average at their end).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,27 +37,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plain_grpo  # noqa: E402
-
-from megatron_areal.rundir import RunDir  # noqa: E402
+from mainjob import RunRecord, run_train  # noqa: E402
 
 
 def run_ours(args: argparse.Namespace, run_dir: Path) -> tuple[list[dict], float]:
     """The main job with periodic evaluations -> its evaluation points and the command's wall time."""
-    cmd = [sys.executable, "-m", "megatron_areal.cli", "train", str(args.config), f"train.run_dir={run_dir}",
-           f"train.eval_every={args.eval_every}", f"train.seed={args.seed}", f"data.seed={args.seed}",
-           "checkpoint.every=0", *args.override]
-    t0 = time.monotonic()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.monotonic() - t0
-    if result.returncode != 0:
-        raise SystemExit(f"the main job failed ({result.returncode}); logs in {RunDir(run_dir).logs}\n"
-                         f"{result.stderr[-2000:]}")
-    rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
-    step_s = {r["step"]: r["perf/step_time_s"] for r in rows if "perf/step_time_s" in r}
-    evals = [json.loads(line) for line in RunDir(run_dir).evals.read_text().splitlines()]
-    points = [{"step": e["step"], "accuracy": e["accuracy"],
-               "train_s": sum(s for k, s in step_s.items() if k <= e["step"])} for e in evals]
-    return points, wall
+    wall = run_train(args.config, run_dir, [f"train.eval_every={args.eval_every}", f"train.seed={args.seed}",
+                                            f"data.seed={args.seed}", "checkpoint.every=0", *args.override],
+                     args.timeout)
+    return RunRecord.read(run_dir).eval_points(), wall
 
 
 def time_to(points: list[dict], accuracy: float) -> float | None:
