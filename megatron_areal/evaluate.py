@@ -63,13 +63,6 @@ def evaluate(fleet: Fleet, prompts: list[Prompt], tokenizer: Any, rewards: Any, 
 
 
 def main(argv: list[str]) -> int:
-    from transformers import AutoTokenizer
-
-    from megatron_areal.assets import resolve_model
-    from megatron_areal.data.tasks import load_task
-    from megatron_areal.launch.embedded import start_embedded
-    from megatron_areal.reward import RewardConfig, RewardService
-
     parser = argparse.ArgumentParser(prog="megatron-areal eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="HF folder or built-in model name")
@@ -80,6 +73,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--no-chat-template", action="store_true")
     args = parser.parse_args(argv)
+    # imported once the arguments are known to be good: --help and a typo answer at once
+    from transformers import AutoTokenizer
+
+    from megatron_areal.assets import resolve_model
+    from megatron_areal.data.tasks import load_task
+    from megatron_areal.launch.embedded import start_embedded
+    from megatron_areal.reward import RewardConfig, RewardService
 
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -84,14 +84,28 @@ def test_timeout_names_url() -> None:
         wait_healthy(url, timeout_s=1, poll_s=0.2)
 
 
-def test_config_flags_are_accepted_by_the_server_cli(tiny_llama) -> None:
+def test_the_launchers_server_command_is_accepted_by_the_server_cli(tiny_llama, tmp_path) -> None:
+    """What the launcher passes to an embedded server is what ``megatron-areal serve`` reads: the run's
+    server limits, the context length (``server.context_length``, else ``model.max_seq_len``), the
+    seed and the dtype."""
+    from megatron_areal.config import load_config
     from megatron_areal.configbase import ConfigError, from_dict
+    from megatron_areal.launch.commands import server_command
+    from megatron_areal.launch.plan import ServerSlot
     from megatron_areal.server.cli import parse_args
-    from megatron_areal.server.config import ServerConfig, embedded_args
+    from megatron_areal.server.config import ServerConfig
 
-    cfg = from_dict(ServerConfig, {"api_key": "k", "context_length": 512, "max_running": 3, "dtype": "bfloat16"})
-    args = parse_args(["--model", str(tiny_llama), *embedded_args(cfg, weight_version="4")])
-    assert (args.api_key, args.context_length, args.max_running, args.dtype, args.weight_version) == \
-        ("k", 512, 3, "bfloat16", "4")
+    root = Path(__file__).resolve().parents[1]
+    slot = ServerSlot(id="n0-0", node="n0", addr="127.0.0.1", port=31000, gpus=())
+    cfg = load_config(root / "configs/train_tiny.yaml",
+                      ["server.context_length=512", "server.max_running=3", "model.dtype=bfloat16", "train.seed=5"])
+    cmd = server_command(slot, cfg, str(tiny_llama), tmp_path / "servers")
+    assert cmd[1:4] == ["-m", "megatron_areal.cli", "serve"]
+    args = parse_args(cmd[4:])
+    assert (args.model, args.port, args.context_length, args.max_running, args.max_queue, args.dtype, args.seed) == \
+        (str(tiny_llama), 31000, 512, 3, cfg.server.max_queue, "bfloat16", 5)
+    assert (args.register_dir, args.server_id) == (str(tmp_path / "servers"), "n0-0")
+    cfg = load_config(root / "configs/train_tiny.yaml")
+    assert parse_args(server_command(slot, cfg, str(tiny_llama), tmp_path)[4:]).context_length == cfg.model.max_seq_len
     with pytest.raises(ConfigError, match="tp: the embedded server runs tp=1 only"):
         from_dict(ServerConfig, {"tp": 2})

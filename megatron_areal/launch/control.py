@@ -23,10 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from megatron_areal.rundir import RunDir
 
@@ -56,7 +58,18 @@ def _read_json(path: Path) -> dict | None:
 
 
 def request_checkpoint(run_dir: str | Path, reason: str) -> None:
+    """Ask the trainer for a checkpoint at its next step boundary, then a stop."""
     _write(control_dir(run_dir) / CHECKPOINT, {"reason": reason, "time": time.time()})
+
+
+def checkpoint_on_usr1(run_dir: str | Path, receiver: str) -> None:
+    """Make SIGUSR1 to this process (``kill -USR1``, ``srun --signal=USR1@T``) ask the trainer for a
+    checkpoint, as the Slurm batch step does, instead of dying of the signal's default action.
+    ``receiver`` names this process in the request's reason."""
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        request_checkpoint(run_dir, f"SIGUSR1 to {receiver}")
+
+    signal.signal(signal.SIGUSR1, handler)
 
 
 def saved_step(run_dir: str | Path) -> int | None:

@@ -14,16 +14,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 
 from megatron_areal.config import Config, load_config
 from megatron_areal.launch.commands import role_env, server_command, trainer_command
-from megatron_areal.launch.control import request_checkpoint
+from megatron_areal.launch.control import checkpoint_on_usr1
 from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.launch.procs import Child, ProcessSet, ServerKeeper, Stopped, supervised
@@ -88,15 +86,6 @@ def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespac
     return child.returncode() or 0
 
 
-def _checkpoint_on_usr1(run_dir: str, node: str) -> None:
-    """USR1 sent to the job's steps (``--signal=USR1@T`` without ``B:``) lands here: ask the trainer for
-    a checkpoint, as the batch step does, instead of dying of the signal's default action."""
-    def handler(_signum: int, _frame: FrameType | None) -> None:
-        request_checkpoint(run_dir, f"SIGUSR1 to the node agent on {node}")
-
-    signal.signal(signal.SIGUSR1, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron_areal.launch.node_role")
     parser.add_argument("role", choices=["rollout", "trainer"])
@@ -109,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan.load(args.plan)
     node = this_node(plan)
     cfg = apply_env_api_key(load_config(args.config, args.overrides))
-    _checkpoint_on_usr1(cfg.train.run_dir, node)
+    # USR1 sent to the job's steps (--signal=USR1@T without B:) lands here
+    checkpoint_on_usr1(cfg.train.run_dir, f"the node agent on {node}")
     logs = RunDir.of(cfg).resolved().logs
     run = run_rollout if args.role == "rollout" else run_trainer_node
     try:

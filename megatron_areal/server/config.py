@@ -80,14 +80,3 @@ class ServerConfig:
         require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         require(self.restart_backoff_s >= 0, "restart_backoff_s", "must be >= 0")
 
-
-def embedded_args(cfg: ServerConfig, *, weight_version: str | None = None) -> list[str]:
-    """``megatron-areal serve`` flags (after --model/--host/--port) for one embedded server."""
-    args = ["--max-running", str(cfg.max_running), "--max-queue", str(cfg.max_queue), "--seed", str(cfg.seed),
-            "--device", cfg.device]
-    optional = {"--api-key": cfg.api_key, "--context-length": cfg.context_length, "--dtype": cfg.dtype,
-                "--weight-version": weight_version}
-    for flag, value in optional.items():
-        if value is not None:
-            args += [flag, str(value)]
-    return args + list(cfg.extra_args)

@@ -9,27 +9,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-from types import FrameType
 
 from megatron_areal.config import load_config
-from megatron_areal.launch.control import request_checkpoint
+from megatron_areal.launch.control import checkpoint_on_usr1
 from megatron_areal.launch.plan import Plan
 from megatron_areal.launch.registry import wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key
 from megatron_areal.rundir import RunDir
 
 logger = logging.getLogger(__name__)
-
-
-def _checkpoint_on_usr1(run_dir: str) -> None:
-    """``kill -USR1`` of any trainer rank (or ``srun --signal``) asks for a checkpoint at the next step
-    boundary, then a stop: the same request the Slurm batch step writes when USR1 reaches it."""
-    def handler(_signum: int, _frame: FrameType | None) -> None:
-        request_checkpoint(run_dir, f"SIGUSR1 to trainer rank {os.environ.get('RANK', '0')}")
-
-    signal.signal(signal.SIGUSR1, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     cfg = apply_env_api_key(load_config(args.config, args.overrides))
-    _checkpoint_on_usr1(cfg.train.run_dir)
+    checkpoint_on_usr1(cfg.train.run_dir, f"trainer rank {rank}")  # any rank's USR1 asks for one
     plan = Plan.load(args.plan)
     urls = wait_for_servers(RunDir.of(cfg).resolved().servers, list(plan.servers),
                             cfg.server.startup_timeout_s)
