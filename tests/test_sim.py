@@ -9,8 +9,17 @@ import random
 import pytest
 
 from megatron_areal.config import ConfigError, load_config
+from megatron_areal.model.arch import arch_from_hf_config
 from megatron_areal.model.catalogue import CATALOGUE, resolve_arch
-from megatron_areal.model.counts import kv_bytes_per_token, param_count, weight_bytes
+from megatron_areal.model.counts import (
+    BF16_BYTES,
+    active_param_count,
+    expert_param_count,
+    kv_bytes_per_token,
+    matmul_params,
+    param_count,
+    weight_bytes,
+)
 from megatron_areal.sim.calibrate import calibrate, read_scalars
 from megatron_areal.sim.cli import main as simulate_main
 from megatron_areal.sim.costs import CostModel, decode_cost, sum_max_linear
@@ -201,3 +210,90 @@ def test_cli_calibrate(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "decode_step_overhead_s = 0.00" in out and "step time: measured" in out
     assert simulate_main([str(cfg), *SMALL, "--calibrate", str(tmp_path / "nothing")]) == 2
+
+
+# ---- Mixture-of-Experts: total vs active parameters, expert-parallel memory, all-to-all
+
+
+@pytest.mark.parametrize("name, total, active, non_embedding", [
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9, 29.9e9),  # Qwen's model card: 30.5B, 3.3B activated, 29.9B non-embedding
+    ("qwen3-235b-a22b", 235e9, 22e9, 234e9),  # 235B, 22B activated, 234B non-embedding
+])
+def test_moe_counts_match_the_published_figures(name, total, active, non_embedding):
+    m = CATALOGUE[name]
+    assert param_count(m) == pytest.approx(total, rel=0.02)
+    assert active_param_count(m) == pytest.approx(active, rel=0.03)
+    assert param_count(m) - 2 * m.vocab_size * m.hidden_size == pytest.approx(non_embedding, rel=0.01)
+    assert resolve_arch(f"Qwen/{name.replace('qwen3', 'Qwen3').replace('-a', '-A').replace('b-', 'B-')}")[0] == name
+
+
+def test_moe_param_count_matches_the_hf_model():
+    """Total parameters against transformers' own Qwen3-MoE module; active ones by hand."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                            num_experts_per_tok=2, moe_intermediate_size=24, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    arch = arch_from_hf_config(config.to_dict())
+    assert param_count(arch) == sum(p.numel() for p in model.parameters())
+    one_expert = 3 * 64 * 24
+    assert expert_param_count(arch) == 3 * 6 * one_expert
+    assert active_param_count(arch) == param_count(arch) - 3 * (6 - 2) * one_expert
+    # FLOPs per token follow the active parameters (plus the LM head; the embedding lookup is free).
+    assert matmul_params(arch) == active_param_count(arch) - 500 * 64 - 64
+
+
+def test_moe_decode_computes_with_active_and_reads_the_experts_hit():
+    m, gpu = CATALOGUE["qwen3-30b-a3b"], gpu_spec("H100")
+    sim = load_config(None, []).sim
+    dec = decode_cost(m, gpu, 2, sim)
+    flops = gpu.bf16_flops * sim.decode_flops_efficiency * 2
+    assert dec.flop_per_seq == pytest.approx(2 * matmul_params(m) / flops)
+    assert matmul_params(m) < 0.15 * param_count(m)  # 3.3B of 30.5B
+    bw = gpu.hbm_bw * sim.hbm_efficiency * 2
+    experts = expert_param_count(m) * BF16_BYTES / bw
+    shared = (weight_bytes(m) - expert_param_count(m) * BF16_BYTES) / bw
+    # one sequence reads its 8 of 128 experts per layer; a large batch reads nearly all of them
+    assert dec.weight_read(1) == pytest.approx(shared + experts * 8 / 128)
+    assert dec.weight_read(2) == pytest.approx(shared + experts * (1 - (120 / 128) ** 2))
+    assert dec.weight_read(256) == pytest.approx(weight_bytes(m) / bw, rel=1e-6)
+    steps = [dec.step_time(16, 16 * 300 + j * 16) for j in range(200)]
+    assert dec.span_time(200, 16, 16 * 300) == pytest.approx(sum(steps))
+
+
+MOE = ["model.path=qwen3-30b-a3b", "cluster.nodes=4", "cluster.gpus_per_node=8", "cluster.gen_fraction=0.5",
+       "parallel.tp=2", "parallel.ep=8", "rollout.batch_size=8", "rollout.group_size=4",
+       "rollout.max_new_tokens=2048", "server.engine=sglang", "server.tp=2", "server.mem_fraction=0.85",
+       "sim.response_mean_tokens=400", "sim.steps=6", "sim.warmup_steps=2"]
+
+
+def test_moe_step_has_alltoall_traffic_and_expert_parallel_memory():
+    sc = from_config(load_config(None, MOE + ["staleness.eta=2"]))
+    assert (sc.train_gpus, sc.train_tp, sc.train_ep) == (16, 2, 8)
+    r = simulate(sc)
+    assert r.alltoall_bytes_per_gpu > 0
+    # all-to-all bytes by hand: every trained token sends 8 copies of its hidden state to its experts and
+    # back, in 48 layers, three passes; 7 of every 8 copies leave the GPU, spread over its 16 GPUs
+    per_token = 3 * 2 * 48 * 8 * 2048 * BF16_BYTES
+    assert r.alltoall_bytes_per_gpu == pytest.approx(r.trained_tokens * per_token * 7 / 8 / 16)
+    dense = simulate(from_config(small("staleness.eta=2")))
+    assert dense.alltoall_bytes_per_gpu == 0
+    cost = CostModel(sc.model, sc.gpu, sc.sim)
+    mem = {ep: cost.train_memory_per_gpu(16, 2, 1, ep=ep) for ep in (1, 2, 4, 8)}
+    assert mem[1] > mem[2] > mem[4] > mem[8]
+    assert mem[8] < 80e9 < mem[1]  # EP is what makes 30B of experts fit an 80 GB GPU
+    # the all-to-all is part of the step's time, and slower when EP peers sit on other nodes
+    tokens = 1e6
+    assert cost.alltoall_time(tokens, 16, 8, gpus_per_node=8) > 0
+    assert cost.alltoall_time(tokens, 16, 8, gpus_per_node=4) > cost.alltoall_time(tokens, 16, 8, gpus_per_node=8)
+    near, far = (cost.train_time(tokens, tokens * 400, 16, 2, 1, 1, 4096, ep=8, gpus_per_node=g) for g in (8, 4))
+    assert far - near == pytest.approx(cost.alltoall_time(tokens, 16, 8, gpus_per_node=4)
+                                       - cost.alltoall_time(tokens, 16, 8, gpus_per_node=8))
+
+
+def test_moe_scenario_refuses_bad_expert_parallelism():
+    with pytest.raises(ScenarioError, match=r"parallel.ep \(3\) does not divide the model's 128 experts"):
+        from_config(load_config(None, MOE + ["parallel.ep=3", "cluster.nodes=6"]))
+    with pytest.raises(ScenarioError, match="qwen2.5-1.5b is dense"):
+        from_config(small("parallel.ep=2"))

@@ -91,7 +91,7 @@ def _train_busy_rate(sc: Scenario, sim, tokens: float, sq: float) -> float:
     """Trained tokens per busy trainer second: the step itself plus sending the weights."""
     cost = CostModel(sc.model, sc.gpu, sim)
     t = cost.train_time(tokens, sq, sc.train_gpus, sc.train_tp, sc.train_pp, sc.n_minibatches,
-                        sc.max_tokens_per_mb)
+                        sc.max_tokens_per_mb, ep=sc.train_ep, etp=sc.train_etp, gpus_per_node=sc.gpus_per_node)
     return tokens / (t + cost.weight_update_time(sc.train_pp, sc.colocated))
 
 

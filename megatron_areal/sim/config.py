@@ -15,6 +15,9 @@ from megatron_areal.sim.hardware import GPUS
 
 @dataclass(kw_only=True)
 class SimConfig:
+    """What the cluster simulator needs beyond the run's own config: the GPU, the workload's lengths, the
+    synchronous baseline's placement, and efficiencies that calibration refits."""
+
     gpu: str = "H800"  # a name in megatron_areal.sim.hardware.GPUS
     seed: int = 0
     steps: int = 24  # training steps simulated per run
@@ -43,6 +46,7 @@ class SimConfig:
     optimizer_bytes_per_param: float = 16.0  # Adam: fp32 master, two moments, grads, read+write
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.gpu in GPUS, "gpu", f"unknown GPU {self.gpu!r}; known: {', '.join(GPUS)}")
         require(self.steps > self.warmup_steps >= 0, "steps", "must exceed warmup_steps (>= 0)")
         require(self.prompt_mean_tokens >= 1, "prompt_mean_tokens", "must be >= 1")

@@ -6,6 +6,13 @@ whichever of memory traffic and arithmetic takes longer, plus a fixed per-step o
 Within a stretch of decoding where no request joins or leaves, the batch ``n`` is fixed and the
 total context grows by ``n`` per step, so both bounds are linear in the step index and the time
 of ``k`` steps has a closed form (``span_time``).
+
+Mixture-of-Experts models compute with their *active* parameters (``counts.matmul_params``) but
+store all experts. A decode step of ``n`` sequences reads the shared weights and the experts its
+tokens were routed to: with uniform routing of ``k`` of ``E`` experts, a share
+``1 - (1 - k/E)^n`` of them (``n`` is fixed within a stretch, so the closed form holds). The trainer
+splits experts over expert parallelism and moves every token's hidden state to its experts and back
+in each MoE layer (all-to-all), three passes per step: the proximal forward, forward and backward.
 """
 from __future__ import annotations
 
@@ -13,7 +20,17 @@ import math
 from dataclasses import dataclass
 
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.model.counts import attention_width, kv_bytes_per_token, matmul_params, param_count, weight_bytes
+from megatron_areal.model.counts import (
+    BF16_BYTES,
+    attention_width,
+    dispatch_bytes_per_token,
+    expert_param_count,
+    kv_bytes_per_token,
+    matmul_params,
+    param_count,
+    trainer_state_bytes,
+    weight_bytes,
+)
 from megatron_areal.sim.config import SimConfig
 from megatron_areal.sim.hardware import GPUSpec
 
@@ -45,19 +62,27 @@ def sum_max_linear(a: float, b: float, c: float, d: float, k: int) -> float:
 class DecodeCost:
     """Per-step time of one server (``tp`` GPUs) as two lines in (batch, total context)."""
 
-    mem_fixed: float  # s to read the weights
+    mem_fixed: float  # s to read the weights every step reads (all of a dense model's)
     mem_per_ctx: float  # s per cached token read
     flop_per_seq: float  # s of matmul per sequence in the batch
     flop_per_ctx: float  # s of attention per cached token
     overhead: float  # s per step that neither bound hides
+    mem_experts: float = 0.0  # MoE: s to read every expert once
+    expert_share: float = 0.0  # MoE: share of the experts one token is routed to (k / E)
+
+    def weight_read(self, n: int) -> float:
+        """s to read the weights a batch of ``n`` uses: the shared ones and the experts hit."""
+        if self.mem_experts == 0.0:
+            return self.mem_fixed
+        return self.mem_fixed + self.mem_experts * (1.0 - (1.0 - self.expert_share) ** max(n, 1))
 
     def step_time(self, n: int, ctx: float) -> float:
-        return self.overhead + max(self.mem_fixed + self.mem_per_ctx * ctx,
+        return self.overhead + max(self.weight_read(n) + self.mem_per_ctx * ctx,
                                    self.flop_per_seq * n + self.flop_per_ctx * ctx)
 
     def span_time(self, k: int, n: int, ctx: float) -> float:
         """Time of ``k`` steps of a batch of ``n`` whose total context is ``ctx`` at the first."""
-        a = self.mem_fixed + self.mem_per_ctx * ctx
+        a = self.weight_read(n) + self.mem_per_ctx * ctx
         b = self.mem_per_ctx * n
         c = self.flop_per_seq * n + self.flop_per_ctx * ctx
         d = self.flop_per_ctx * n
@@ -85,10 +110,13 @@ def decode_cost(model: ModelArch, gpu: GPUSpec, tp: int, sim: SimConfig) -> Deco
     kernels = model.num_layers * sim.kernels_per_layer * sim.kernel_gap_s
     # Two all-reduces per layer (after attention and after the MLP) when the server is sharded.
     allreduce = 2 * model.num_layers * gpu.nvlink_latency_s if tp > 1 else 0.0
-    return DecodeCost(mem_fixed=weight_bytes(model) / bw, mem_per_ctx=kv_bytes_per_token(model) / bw,
+    experts = expert_param_count(model) * BF16_BYTES
+    return DecodeCost(mem_fixed=(weight_bytes(model) - experts) / bw, mem_per_ctx=kv_bytes_per_token(model) / bw,
                       flop_per_seq=2 * matmul_params(model) / flops,
                       flop_per_ctx=4 * model.num_layers * attention_width(model) / flops,
-                      overhead=sim.decode_step_overhead_s + kernels + allreduce)
+                      overhead=sim.decode_step_overhead_s + kernels + allreduce,
+                      mem_experts=experts / bw,
+                      expert_share=model.num_experts_per_tok / model.num_experts if model.is_moe else 0.0)
 
 
 @dataclass(frozen=True)
@@ -113,22 +141,58 @@ class CostModel:
                              f"{tp} x {self.gpu.name} at server.mem_fraction={mem_fraction}; raise server.tp")
         return int(free / kv_bytes_per_token(self.model))
 
+    def train_memory_per_gpu(self, n_gpus: int, tp: int, pp: int, ep: int = 1, etp: int = 1) -> float:
+        """Bytes of weights, gradients and Adam state per trainer GPU (distributed optimizer): experts
+        split over ETP x EP x PP, everything else over TP x PP (``counts.trainer_state_bytes``)."""
+        dp = max(1, n_gpus // (tp * pp))
+        return trainer_state_bytes(self.model, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
+
+    def alltoall_bytes_per_gpu(self, tokens: float, n_gpus: int, ep: int) -> float:
+        """Bytes one trainer GPU sends to other EP ranks in one step: its share of the tokens (each
+        pipeline stage sees every token for its own layers) times each token's MoE dispatch and
+        combine, in the proximal forward, the forward and the backward; the ``1/ep`` of the copies
+        routed to its own experts stay put. 0 for a dense model or EP 1."""
+        if ep <= 1:
+            return 0.0
+        return 3 * tokens * dispatch_bytes_per_token(self.model) / n_gpus * (ep - 1) / ep
+
+    def alltoall_time(self, tokens: float, n_gpus: int, ep: int, etp: int = 1, gpus_per_node: int = 8) -> float:
+        """The step's all-to-all, not overlapped with compute. EP ranks are ``etp`` apart (Megatron's
+        rank order), so the EP peers on the same node go over NVLink (half its bidirectional figure
+        each way) and the others over the NIC, at the same time."""
+        sent = self.alltoall_bytes_per_gpu(tokens, n_gpus, ep)
+        if sent == 0.0:
+            return 0.0
+        in_node = min(ep, max(1, gpus_per_node // etp))
+        nvlink = self.gpu.nvlink_bw / 2 * self.sim.net_efficiency
+        net = self.gpu.net_bw * self.sim.net_efficiency
+        share = sent / (ep - 1)  # bytes to each peer
+        return max(share * (in_node - 1) / nvlink, share * (ep - in_node) / net)
+
     def train_time(self, tokens: float, sq_sum: float, n_gpus: int, tp: int, pp: int, n_minibatches: int,
-                   max_tokens_per_mb: int) -> float:
+                   max_tokens_per_mb: int, ep: int = 1, etp: int = 1, gpus_per_node: int = 8) -> float:
         """One PPO step: a no-grad forward for the proximal logprobs, then forward+backward of every
-        token once, split into ``n_minibatches`` optimizer steps."""
+        token once, split into ``n_minibatches`` optimizer steps. FLOPs follow the active parameters;
+        MoE layers add their all-to-all (``alltoall_time``)."""
         m = self.model
         flops = 8 * matmul_params(m) * tokens + 8 * m.num_layers * attention_width(m) * sq_sum
         compute = flops / (n_gpus * self.gpu.bf16_flops * self.sim.train_mfu)
+        compute += self.alltoall_time(tokens, n_gpus, ep, etp, gpus_per_node)
         dp = max(1, n_gpus // (tp * pp))
         mbs = max(1, math.ceil(tokens / (n_minibatches * dp * max_tokens_per_mb)))
         compute *= 1 + (pp - 1) / mbs  # pipeline fill and drain of each minibatch
-        shard = param_count(m) / (tp * pp)
-        # fp32 gradient all-reduce over DP (ring); Megatron overlaps it with the backward pass.
+        experts = expert_param_count(m)
+        shard = (param_count(m) - experts) / (tp * pp)  # what TP x PP splits
+        expert_shard = experts / (etp * ep * pp)
+        edp = max(1, n_gpus // (etp * ep * pp))  # the ranks that hold the same experts
+        # fp32 gradient all-reduce over DP, and over expert DP for the experts (ring); Megatron
+        # overlaps it with the backward pass.
         net = self.gpu.net_bw * self.sim.net_efficiency
         grad_sync = 2 * (dp - 1) / dp * 4 * shard / net if dp > 1 else 0.0
+        grad_sync += 2 * (edp - 1) / edp * 4 * expert_shard / net if edp > 1 else 0.0
         per_mb = max(compute / n_minibatches, grad_sync)
-        adam = self.sim.optimizer_bytes_per_param * shard / dp / (self.gpu.hbm_bw * self.sim.hbm_efficiency)
+        adam = (self.sim.optimizer_bytes_per_param * (shard / dp + expert_shard / edp)
+                / (self.gpu.hbm_bw * self.sim.hbm_efficiency))
         return n_minibatches * (per_mb + adam)
 
     def weight_update_time(self, pp: int, colocated: bool) -> float:

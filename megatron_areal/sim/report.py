@@ -1,6 +1,8 @@
 """Text the CLI prints: one simulated run, and the sync-vs-async comparison."""
 from __future__ import annotations
 
+from megatron_areal.model.counts import active_param_count, param_count
+from megatron_areal.sim.costs import CostModel
 from megatron_areal.sim.result import RunResult
 
 
@@ -24,6 +26,14 @@ def describe(r: RunResult) -> str:
         f"  groups               submitted {r.submitted}, trained {r.trained}, dropped as stale "
         f"{r.dropped}, in flight {r.running}, buffered {r.buffered}; KV retractions {r.retracted}",
     ]
+    if sc.model.is_moe:
+        mem = CostModel(sc.model, sc.gpu, sc.sim).train_memory_per_gpu(sc.train_gpus, sc.train_tp, sc.train_pp,
+                                                                        sc.train_ep, sc.train_etp)
+        steps = max(r.trained // sc.batch_size, 1)  # batches whose training started
+        lines.append(f"  experts (MoE)        {param_count(sc.model) / 1e9:.1f}B parameters, "
+                     f"{active_param_count(sc.model) / 1e9:.2f}B active; trainer EP {sc.train_ep} x ETP "
+                     f"{sc.train_etp}: {mem / 1e9:.1f} GB of model state and "
+                     f"{r.alltoall_bytes_per_gpu / steps / 1e9:.1f} GB of all-to-all per GPU per step")
     return "\n".join(lines)
 
 

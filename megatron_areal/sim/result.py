@@ -39,6 +39,7 @@ class RunResult:
     versions_per_sample: Counter = field(default_factory=Counter)  # weight versions in one sample
     snapshots: list[Snapshot] = field(default_factory=list)
     retracted: int = 0
+    alltoall_bytes_per_gpu: float = 0.0  # MoE: expert all-to-all each trainer GPU sent, all steps
 
     # ----- recording (called by the engine)
 

@@ -3,6 +3,7 @@ which model, batch and staleness bound. ``from_config`` is the only place that r
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megatron_areal.config import Config
@@ -37,6 +38,9 @@ class Scenario:
     mem_fraction: float
     colocated: bool = False  # generation and training time-share the same GPUs
     interruptible: bool = True
+    train_ep: int = 1  # expert parallel (MoE): ranks the experts are split over
+    train_etp: int = 1  # expert tensor parallel (MoE)
+    gpus_per_node: int = 8  # decides which all-to-all peers are on NVLink
 
     @property
     def gen_gpus(self) -> int:
@@ -60,7 +64,7 @@ def split_gpus(total: int, gen_fraction: float, server_tp: int, train_unit: int)
     """Servers and training GPUs for a split of ``total`` GPUs; both sides get at least one unit."""
     if total < server_tp + train_unit:
         raise ScenarioError(f"{total} GPUs cannot hold one server (tp={server_tp}) and one trainer "
-                            f"replica (tp*pp={train_unit})")
+                            f"replica ({train_unit} GPUs: tp*pp, times ep for MoE)")
     gen = round(total * gen_fraction / server_tp) * server_tp
     gen = min(max(gen, server_tp), total - train_unit)
     train = (total - gen) // train_unit * train_unit
@@ -79,7 +83,9 @@ def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None
     sync = mode == "sync" or (mode == "config" and not cfg.staleness.overlap)
     # An explicit async request on a synchronous config uses the paper's eta = 4.
     eta = 0 if sync else (cfg.staleness.eta or (4 if mode == "async" else 0))
-    unit = cfg.parallel.tp * cfg.parallel.pp
+    par = cfg.parallel
+    # EP ranks come out of data parallel (DP a multiple of EP) and ETP x EP x PP divides the trainer.
+    unit = math.lcm(par.tp * par.pp * par.ep, par.etp * par.ep * par.pp)
     colocated = sync and sim.sync_placement == "colocated"
     if colocated:
         n_servers, train = gpus // cfg.server.tp, gpus
@@ -88,8 +94,12 @@ def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None
                                 else cfg.cluster.gen_fraction)
         n_servers, train = split_gpus(gpus, frac, cfg.server.tp, unit)
     if train < unit:
-        raise ScenarioError(f"{train} training GPUs cannot hold parallel.tp*pp={unit}")
+        raise ScenarioError(f"{train} training GPUs cannot hold parallel.tp*pp*ep={unit}")
     name, arch = resolve_arch(cfg.model.path)
+    if arch.is_moe and arch.num_experts % par.ep:
+        raise ScenarioError(f"parallel.ep ({par.ep}) does not divide the model's {arch.num_experts} experts")
+    if not arch.is_moe and (par.ep > 1 or par.etp > 1):
+        raise ScenarioError(f"parallel.ep / parallel.etp apply to Mixture-of-Experts models; {name} is dense")
     return Scenario(model=arch, model_name=name, gpu=gpu_spec(sim.gpu), sim=sim,
                     batch_size=cfg.rollout.batch_size, group_size=cfg.rollout.group_size,
                     max_new_tokens=cfg.rollout.max_new_tokens, eta=eta,
@@ -97,4 +107,5 @@ def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None
                     train_gpus=train, train_tp=cfg.parallel.tp, train_pp=cfg.parallel.pp,
                     n_minibatches=cfg.ppo.n_minibatches, max_tokens_per_mb=cfg.parallel.max_tokens_per_mb,
                     mem_fraction=cfg.server.mem_fraction, colocated=colocated,
-                    interruptible=sim.interruptible)
+                    interruptible=sim.interruptible, train_ep=par.ep, train_etp=par.etp,
+                    gpus_per_node=cfg.cluster.gpus_per_node)
