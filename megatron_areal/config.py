@@ -26,28 +26,36 @@ __all__ = ["Config", "ConfigError", "LoggingConfig", "TrainConfig", "load_config
 
 @dataclass(kw_only=True)
 class LoggingConfig:
+    """How a run reports: TensorBoard events, how often, and a terminal progress bar."""
+
     tensorboard: bool = True
     log_every: int = 1
     progress: bool = True  # a progress bar on the terminal
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.log_every >= 1, "log_every", "must be >= 1")
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    """The run as a whole: its directory, how many policy updates, how often to evaluate, the seed."""
+
     run_dir: str = "runs/default"
     steps: int = 20  # policy updates
     eval_every: int = 0  # steps between held-out evaluations; 0: only before and after
     seed: int = 1
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.steps >= 0, "steps", "must be >= 0")
         require(self.eval_every >= 0, "eval_every", "must be >= 0")
 
 
 @dataclass(kw_only=True)
 class Config:
+    """The whole configuration of a run: one section per component, each validated at load."""
+
     train: TrainConfig = field(default_factory=TrainConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -65,11 +73,14 @@ class Config:
     sim: SimConfig = field(default_factory=SimConfig)
 
     def validate(self) -> None:
+        """Checks across sections (each section validates itself first)."""
         require(self.staleness.overlap or self.staleness.eta == 0, "staleness.overlap",
                 "false (synchronous mode) requires staleness.eta = 0")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """A validated ``Config`` from a YAML file (or the defaults) and ``key=value`` overrides; errors name the
+    dotted key and the file."""
     data = load_yaml(path) if path else {}
     data = apply_overrides(Config, data, overrides or [])
     try:

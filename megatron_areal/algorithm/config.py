@@ -9,6 +9,9 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class PPOConfig:
+    """The decoupled-PPO objective (clip range, behaviour-weight corrections), mini-batches, the advantage
+    estimator and the KL penalty."""
+
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # None: same as eps_clip
     # Corrections of the behaviour weight w = pi_prox / pi_behav; formulas in algorithm/offpolicy.py.
@@ -24,6 +27,7 @@ class PPOConfig:
     decoupled: bool = True  # False: naive PPO (proximal = behaviour), for ablations
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(0 < self.eps_clip < 1, "eps_clip", "must be in (0, 1)")
         require(self.eps_clip_high is None or self.eps_clip_high > 0, "eps_clip_high", "must be > 0")
         require(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1,

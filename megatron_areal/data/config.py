@@ -8,6 +8,8 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class DataConfig:
+    """Where training and held-out prompts come from, how many, and how they are templated and ordered."""
+
     train: str = "arithmetic"  # a JSONL file, or a built-in task name (megatron_areal.data.BUILTIN_TASKS)
     train_size: int = 0  # prompts to load; 0: the whole dataset, or the generator's default size
     eval: str = "arithmetic-eval"
@@ -17,6 +19,7 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(bool(self.train), "train", "must name a built-in task or a JSONL file")
         require(self.train_size >= 0, "train_size", "must be >= 0")
         require(self.eval_size >= 0, "eval_size", "must be >= 0")

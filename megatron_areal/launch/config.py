@@ -8,6 +8,9 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class ClusterConfig:
+    """The machines a run is placed on: nodes, GPUs, the split between rollout and training, ports, and the
+    grace periods of stopping and requeueing."""
+
     nodes: int = 1  # what --dry-run plans for when not given --nodes; Slurm uses the allocation
     gpus_per_node: int = 0  # 0: CPU nodes (embedded servers, gloo trainer)
     gen_fraction: float = 0.75  # share of nodes that run rollout servers (when gen_nodes is 0)
@@ -24,6 +27,7 @@ class ClusterConfig:
     requeue_grace_s: float = 480.0
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.nodes >= 1, "nodes", "must be >= 1")
         require(self.gpus_per_node >= 0, "gpus_per_node", "must be >= 0")
         require(0 < self.gen_fraction < 1, "gen_fraction", "must be in (0, 1)")

@@ -9,6 +9,9 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class ReallocConfig:
+    """The weight push from the trainer to the servers: over a weight-update group or through a shared disk,
+    bucket size, timeouts and retries."""
+
     method: Literal["distributed", "disk"] = "distributed"
     bucket_mb: float = 512.0  # HF-layout bytes per /update_weights_from_distributed call
     timeout_s: float = 120.0  # per collective op and per HTTP reply; a silent server is dropped after it
@@ -22,6 +25,7 @@ class ReallocConfig:
     pause_mode: Literal["abort", "retract"] = "abort"
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.bucket_mb > 0, "bucket_mb", "must be > 0")
         require(self.timeout_s > 0, "timeout_s", "must be > 0")
         require(self.max_retries >= 0, "max_retries", "must be >= 0")
@@ -29,4 +33,5 @@ class ReallocConfig:
 
     @property
     def bucket_bytes(self) -> int:
+        """``bucket_mb`` in bytes (at least one)."""
         return max(1, int(self.bucket_mb * (1 << 20)))

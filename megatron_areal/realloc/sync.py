@@ -43,6 +43,9 @@ class TransferLost(WeightSyncError):
 
 @dataclass
 class SyncResult:
+    """One weight push: the version installed, how long it took and where, what was sent, and which servers
+    hold it now or were dropped."""
+
     version: str
     seconds: float
     bytes_sent: int  # HF-layout bytes over all stages (per server)
@@ -77,6 +80,7 @@ def _is_int(label: str) -> bool:
 
 
 def default_master_address() -> str:
+    """This host's address as its resolver gives it (127.0.0.1 when it cannot)."""
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -200,6 +204,7 @@ class WeightSync:
         return joined
 
     def close(self) -> None:
+        """Destroy the weight-update groups with the servers and close the fleet if it is this object's own."""
         if self._link is not None:
             self._link.destroy(list(self.servers))
             self._link = None

@@ -8,6 +8,8 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class RewardConfig:
+    """The reward process pool (workers, per-answer timeout) and the limits of the code sandbox."""
+
     workers: int = 2  # processes in the reward pool
     timeout_s: float = 10.0  # per answer; a reward that exceeds it scores 0 and its worker is replaced
     worker_start_timeout_s: float = 120.0  # a worker that cannot import its verifiers in this time is an error
@@ -20,6 +22,7 @@ class RewardConfig:
     code_python: str = ""  # interpreter inside the sandbox; "" picks one the sandbox user can execute
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.workers >= 1, "workers", "must be >= 1")
         require(self.timeout_s > 0, "timeout_s", "must be positive")
         require(self.worker_start_timeout_s > 0, "worker_start_timeout_s", "must be positive")

@@ -26,23 +26,29 @@ class Group:
 
     @property
     def start_version(self) -> int:
+        """The oldest policy version any of the group's samples started at: the group's age."""
         return min(t.start_version for t in self.trajectories)
 
     @property
     def rewards(self) -> list[float]:
+        """The samples' rewards, in order."""
         return [t.reward for t in self.trajectories]
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint."""
         return {"group_id": self.group_id, "prompt_index": self.prompt_index,
                 "trajectories": [t.to_dict() for t in self.trajectories]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Group:
+        """The group ``to_dict`` wrote."""
         return cls(group_id=data["group_id"], prompt_index=data["prompt_index"],
                    trajectories=[Trajectory.from_dict(t) for t in data["trajectories"]])
 
 
 class PutResult(Enum):
+    """What ``ReplayBuffer.put`` did with a group."""
+
     ACCEPTED = "accepted"
     FILTERED = "filtered"  # all rewards equal
     STALE = "stale"  # already too old to ever be trained
@@ -67,9 +73,12 @@ class ReplayBuffer:
             return len(self._groups)
 
     def admissible(self, group: Group, version: int) -> bool:
+        """Whether ``group`` may still be trained at ``version``: at most ``eta`` versions old."""
         return version - group.start_version <= self.eta
 
     def put(self, group: Group, version: int) -> PutResult:
+        """Store a finished group unless it is already too old, or (with ``filter_equal_rewards``) all its
+        rewards are equal and it carries no signal."""
         if not group.trajectories:
             raise ValueError(f"group {group.group_id} has no trajectories")
         with self._lock:
@@ -94,6 +103,7 @@ class ReplayBuffer:
             return stale
 
     def count_admissible(self, version: int) -> int:
+        """Groups that could be trained at ``version``."""
         with self._lock:
             return sum(self.admissible(g, version) for _, g in self._groups)
 
@@ -111,15 +121,18 @@ class ReplayBuffer:
             return batch, dropped
 
     def prompt_indices(self) -> list[int]:
+        """The dataset indices of the stored groups' prompts."""
         with self._lock:
             return [g.prompt_index for _, g in self._groups]
 
     def state_dict(self) -> dict[str, Any]:
+        """The stored groups and the drop counters, for a checkpoint."""
         with self._lock:
             return {"groups": [g.to_dict() for _, g in self._groups],
                     "dropped_stale": self.dropped_stale, "filtered": self.filtered}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the contents with a ``state_dict``; arrival order restarts in the stored order."""
         with self._lock:
             groups = [Group.from_dict(g) for g in state["groups"]]
             self._groups = list(enumerate(groups))

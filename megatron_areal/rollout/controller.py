@@ -56,15 +56,18 @@ class RolloutController:
 
     @property
     def gate(self) -> StalenessGate:
+        """The staleness gate: counts of running and accepted groups, and the capacity rule."""
         return self._core.gate
 
     @property
     def version(self) -> int:
+        """The policy version new groups start at."""
         return self._core.version
 
     # ----- lifecycle
 
     def start(self) -> None:
+        """Open the fleet (unless it is shared) and start generating on its event loop."""
         if self._loop is not None:
             raise RuntimeError("RolloutController already started")
         servers = self._servers
@@ -143,12 +146,15 @@ class RolloutController:
         return self._fleet
 
     def set_version(self, version: int) -> None:
+        """Set the policy version without pausing (a restored run before ``start``, or tests)."""
         self._run_sync(lambda: self._core.set_version(version))
 
     def metrics(self) -> dict[str, float]:
+        """Rollout figures since the last call (throughput, staleness, gate counts, buffer)."""
         return self._run_sync(self._core.metrics, need_loop=True)
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the rollout side: version, buffer, gate counts, dataset position."""
         return self._run_sync(self._core.state_dict)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

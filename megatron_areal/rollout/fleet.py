@@ -102,6 +102,7 @@ class Fleet:
         self.run(go())
 
     def close(self) -> None:
+        """Close every client and stop the fleet's event loop thread."""
         if not self._thread.is_alive():
             return
         async def close_clients() -> None:

@@ -38,6 +38,9 @@ class GateError(RuntimeError):
 
 @dataclass
 class GateCounts:
+    """The gate's counts of groups at one moment (``running`` in flight, ``accepted`` finished and not yet
+    trained)."""
+
     version: int = 0
     running: int = 0
     accepted: int = 0
@@ -67,14 +70,17 @@ class StalenessGate:
     # ----- queries
 
     def counts(self) -> GateCounts:
+        """A copy of the counts."""
         with self._lock:
             return GateCounts(**asdict(self._c))
 
     @property
     def version(self) -> int:
+        """The current policy version."""
         return self._c.version
 
     def capacity(self) -> int:
+        """How many more groups may start now (``staleness_capacity``)."""
         with self._lock:
             return self._capacity()
 
@@ -95,24 +101,29 @@ class StalenessGate:
             return True
 
     def on_submit(self) -> None:
+        """A group started; raises ``GateError`` if there was no capacity for it."""
         with self._lock:
             if self._capacity() < 1:
                 raise GateError(f"submit without capacity: {self._c}")
             self._apply("submit", running=1, submitted=1)
 
     def on_accept(self) -> None:
+        """A running group finished and went into the buffer."""
         with self._lock:
             self._apply("accept", running=-1, accepted=1)
 
     def on_reject(self) -> None:
+        """A running group finished without entering the buffer (filtered, failed)."""
         with self._lock:
             self._apply("reject", running=-1, rejected=1)
 
     def on_drop(self, n: int = 1) -> None:
+        """``n`` accepted groups were found too stale to train and removed from the buffer."""
         with self._lock:
             self._apply("drop", accepted=-n, dropped=n)
 
     def on_version(self, version: int) -> None:
+        """The policy moved to ``version`` (never backwards)."""
         with self._lock:
             if version < self._c.version:
                 raise GateError(f"version moved backwards: {self._c.version} -> {version}")
@@ -146,6 +157,7 @@ class StalenessGate:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counts saved by ``state_dict``; only while no group is running."""
         with self._lock:
             if self._c.running:
                 raise GateError(f"load_state_dict while {self._c.running} groups are running")

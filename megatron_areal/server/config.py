@@ -66,6 +66,7 @@ class ServerConfig:
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.count >= 1, "count", "must be >= 1")
         require(self.tp >= 1, "tp", "must be >= 1")
         require(self.engine == "sglang" or self.tp == 1, "tp", "the embedded server runs tp=1 only")

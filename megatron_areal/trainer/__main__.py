@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, wait for the plan's servers to register, run the trainer; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m megatron_areal.trainer")
     parser.add_argument("--plan", required=True, help="the plan the launcher wrote (RunDir.plan)")
     parser.add_argument("config")

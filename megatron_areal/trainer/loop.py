@@ -20,6 +20,8 @@ from megatron_areal.trainer.rank0 import NoDuties, Rank0Duties, StepTimes
 
 
 def run_trainer(cfg: Config, server_urls: list[str]) -> None:
+    """One trainer rank's whole run: build the policy (and on rank 0 its duties), then per step take a batch,
+    train, push the weights, checkpoint when due, and stop early when the run directory asks."""
     policy = Policy.build(cfg, server_urls)
     rank0 = dist.get_rank() == 0
     duties = Rank0Duties.build(cfg, policy.hf_dir, policy.fleet, policy.weights, policy.version, policy.step,

@@ -85,9 +85,11 @@ class Policy:
 
     @property
     def done(self) -> bool:
+        """Whether every configured step is trained."""
         return self.step >= self.cfg.train.steps
 
     def train(self, batch: list[Trajectory]) -> dict[str, float]:
+        """One PPO update on ``batch`` (collective); returns the step's statistics."""
         return self.actor.ppo_update(batch, self.cfg.rollout.temperature, version=self.version)
 
     def push(self, rollout_state: RolloutState) -> SyncResult:
@@ -107,6 +109,7 @@ class Policy:
         return sync
 
     def checkpoint_due(self) -> bool:
+        """Whether this step is a checkpoint step (``checkpoint.every``, and always the last)."""
         every = self.cfg.checkpoint.every
         return bool(every) and (self.step % every == 0 or self.done)
 
@@ -123,6 +126,7 @@ class Policy:
         self.saved_step = step
 
     def close(self) -> None:
+        """Close the weight path and the fleet, then leave the process group."""
         self.weights.close()
         if self.fleet is not None:
             self.fleet.close()

@@ -45,22 +45,29 @@ class StepTimes:
 class NoDuties:
     """The duties of a rank other than 0: none (the loop calls the same methods everywhere)."""
 
-    def start(self, step: int) -> None: ...
+    def start(self, step: int) -> None:
+        """Nothing to start."""
 
     def take_batch(self) -> list[Trajectory] | None:
+        """None: the batch comes from rank 0."""
         return None
 
-    def hold_generation(self) -> None: ...
+    def hold_generation(self) -> None:
+        """Nothing to hold."""
 
     def after_step(self, step: int, version: int, batch: list[Trajectory], stats: dict[str, float],
-                   times: StepTimes, sync: SyncResult) -> None: ...
+                   times: StepTimes, sync: SyncResult) -> None:
+        """Nothing to record."""
 
     def rollout_state(self) -> dict[str, Any] | None:
+        """None: rank 0 holds the rollout state."""
         return None
 
-    def finish(self, step: int, stopped_on_request: bool) -> None: ...
+    def finish(self, step: int, stopped_on_request: bool) -> None:
+        """Nothing to finish."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Nothing to close."""
 
 
 @dataclass
@@ -83,6 +90,8 @@ class Rank0Duties:
     @classmethod
     def build(cls, cfg: Config, hf_dir: Path, fleet: Fleet, weights: WeightSync, version: int, step: int,
               rollout_state: dict | None) -> Rank0Duties:
+        """Rank 0's duties for a run: tokenizer, datasets, reward pool, rollout controller (restored from
+        ``rollout_state``), metrics and ledger."""
         from transformers import AutoTokenizer
 
         from megatron_areal.data.stream import PromptStream
@@ -109,10 +118,12 @@ class Rank0Duties:
         return cls(cfg, fleet, weights, controller, rewards, tokenizer, eval_prompts, metrics, ledger)
 
     def start(self, step: int) -> None:
+        """Evaluate the starting policy (or read back a resumed run's), then start generating."""
         self.before = before_accuracy(self, step)
         self.controller.start()
 
     def take_batch(self) -> list[Trajectory]:
+        """The next admissible batch from the rollout controller (blocks)."""
         return self.controller.get_batch(BATCH_TIMEOUT_S)
 
     def hold_generation(self) -> None:
@@ -121,6 +132,8 @@ class Rank0Duties:
 
     def after_step(self, step: int, version: int, batch: list[Trajectory], stats: dict[str, float],
                    times: StepTimes, sync: SyncResult) -> None:
+        """Resume generation under the new version, record the trained prompts and the step's metrics,
+        evaluate when due."""
         self.controller.resume_generation(version, resume_servers=False)
         self.ledger.record(step, version, batch)
         self.metrics.advance(step, step_metrics(stats, self.controller.metrics(), times, sync))
@@ -129,9 +142,12 @@ class Rank0Duties:
             evaluate_held_out(self, step, "during")
 
     def rollout_state(self) -> dict[str, Any]:
+        """The rollout controller's state, for a checkpoint."""
         return self.controller.state_dict()
 
     def finish(self, step: int, stopped_on_request: bool) -> None:
+        """Stop generating and evaluate the final policy (not when stopped to requeue); report servers lost
+        or re-admitted."""
         if not stopped_on_request:  # a run stopped to requeue spends no time on the final eval
             self.controller.stop()
             after = evaluate_held_out(self, step, "after")
@@ -145,6 +161,7 @@ class Rank0Duties:
                            f" ({', '.join(w.lost)})" if w.lost else "")
 
     def close(self) -> None:
+        """Stop the controller, the reward pool and the metrics writer."""
         self.controller.stop()
         self.rewards.close()
         self.metrics.close()
@@ -179,6 +196,7 @@ def before_accuracy(duties: Rank0Duties, step: int) -> float | None:
 
 def step_metrics(stats: dict[str, float], rollout: dict[str, float], times: StepTimes,
                  sync: SyncResult) -> dict[str, float]:
+    """The scalars logged for one step: the actor's statistics, the rollout figures, throughput and time split."""
     step_s = time.monotonic() - times.start
     wait_s, train_s = times.batch_in - times.start, times.trained - times.batch_in
     out = {f"train/{k}": v for k, v in stats.items() if k != "tokens_per_s"}
