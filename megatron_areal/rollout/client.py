@@ -9,6 +9,8 @@ Differences between SGLang releases are handled here and nowhere else:
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,9 @@ class GenerateResult:
     completion_tokens: int
     output_versions: list[str] = field(default_factory=list)  # per output token
     meta_info: dict[str, Any] = field(default_factory=dict)
+    # ``meta_info.routed_experts`` decoded: int32 (positions, layers, top_k) in C order, the bytes
+    # SGLang base64-encodes; None when the server sent none.
+    routed_experts: bytes | None = None
 
     @classmethod
     def from_response(cls, body: dict[str, Any]) -> GenerateResult:
@@ -48,7 +53,21 @@ class GenerateResult:
         return cls(output_ids=ids, output_logprobs=logprobs, finish_reason=kind, weight_version=version,
                    prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
                    completion_tokens=int(meta.get("completion_tokens", len(ids)) or 0),
-                   output_versions=_versions_per_token(meta, len(ids), version), meta_info=meta)
+                   output_versions=_versions_per_token(meta, len(ids), version), meta_info=meta,
+                   routed_experts=_routes_bytes(meta))
+
+
+def _routes_bytes(meta: dict[str, Any]) -> bytes | None:
+    text = meta.get("routed_experts")
+    if text is None:
+        return None
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise ValueError(f"meta_info.routed_experts is not base64: {e}") from None
+    if len(raw) % 4:
+        raise ValueError(f"meta_info.routed_experts: {len(raw)} bytes is not a whole number of int32 values")
+    return raw
 
 
 def _versions_per_token(meta: dict[str, Any], n: int, version: str) -> list[str]:
@@ -113,15 +132,25 @@ class RolloutClient:
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
-                       rid: str | None = None) -> GenerateResult:
+                       rid: str | None = None, *, return_routed_experts: bool = False,
+                       routed_experts_start_len: int = 0) -> GenerateResult:
+        """One ``/generate``. ``return_routed_experts`` asks a MoE server for the experts of each
+        position from ``routed_experts_start_len`` to the last but one token (SGLang needs
+        ``--enable-return-routed-experts`` for it)."""
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                                 "return_logprob": True}
         if rid is not None:
             body["rid"] = rid
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routed_experts_start_len
         reply = await self._request("POST", "/generate", body, timeout_s=self.timeout_s)
         if not isinstance(reply, dict):
             raise ServerError(self.url, "/generate", f"expected one JSON object, got {str(reply)[:200]}")
-        return GenerateResult.from_response(reply)
+        try:
+            return GenerateResult.from_response(reply)
+        except ValueError as e:
+            raise ServerError(self.url, "/generate", str(e)) from None
 
     async def pause(self, mode: str = "abort") -> None:
         """Pause generation; in ``abort`` mode running requests return with what they have."""

@@ -18,6 +18,10 @@ class RolloutConfig:
     filter_equal_rewards: bool = True  # drop groups whose rewards are all equal (no signal)
     request_timeout_s: float = 3600.0  # one /generate segment; past it the server is marked down
     health_interval_s: float = 5.0  # how often servers marked down are probed for recovery
+    # MoE models: ask the servers for the experts each token was routed to and keep them on the
+    # trajectory (``Trajectory.routed_experts``), for routing replay in the trainer. SGLang servers
+    # must run with --enable-return-routed-experts.
+    return_routed_experts: bool = False
 
     def validate(self) -> None:
         require(self.batch_size >= 1, "batch_size", "must be >= 1")

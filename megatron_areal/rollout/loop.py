@@ -137,7 +137,8 @@ class RolloutLoop:
             jobs = [tg.create_task(generate_sample(
                 self.pool, prompt_ids, sampling, self.cfg.max_new_tokens, f"{self._run_id}-{gid}-{i}",
                 self._running.wait, self._parse_version, is_paused=lambda: not self._running.is_set(),
-                on_tokens=self._window.add_tokens)) for i in range(self.cfg.group_size)]
+                on_tokens=self._window.add_tokens, return_routed_experts=self.cfg.return_routed_experts))
+                for i in range(self.cfg.group_size)]
         trajectories = [self._trajectory(gid, prompt, prompt_ids, job.result(), version) for job in jobs]
         rewards = await asyncio.gather(*(
             self.scorer.score(prompt.task, self.decode(t.output_ids), t.answer) for t in trajectories))
@@ -156,6 +157,7 @@ class RolloutLoop:
             log.warning("group %d: tokens from version %d although started at %d", gid, oldest, version)
         return Trajectory(prompt_ids=list(prompt_ids), output_ids=s.output_ids,
                           output_logprobs=s.output_logprobs, output_versions=s.output_versions,
+                          routed_experts=s.routed_experts,
                           start_version=min(version, oldest), group_id=gid,
                           prompt_index=prompt.index, answer=prompt.reward_answer(), task=prompt.task,
                           finish_reason=s.finish_reason, interruptions=s.interruptions)

@@ -7,6 +7,11 @@ next segment is posted once generation resumes, so it runs under the new weights
 fails (connection lost, timeout, 5xx) is marked down and the segment is re-posted elsewhere from
 the last tokens that did come back. Each token's version is the one the server reported for the
 segment (per token where the server gives spans), never the controller's own idea of it.
+
+With ``return_routed_experts`` (MoE models), each segment asks for the experts of the positions
+it computes that no earlier segment did: from ``prompt + tokens so far - 1`` (the last token of
+the previous segment, which this one feeds first) on. Concatenated, the segments' routes cover
+positions ``0 .. len(input_ids) - 2``, each from the weights that produced the token after it.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ class SampleOutput:
     output_versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     interruptions: int = 0  # segments ended by an abort
+    # int32 (positions, layers, top_k) in C order over positions 0 .. route_positions - 1, when asked for
+    routed_experts: bytes | None = None
+    route_positions: int = 0
 
     def extend(self, result: GenerateResult, versions: list[int]) -> None:
         n = len(result.output_ids)
@@ -47,6 +55,23 @@ class SampleOutput:
         self.output_ids += result.output_ids
         self.output_logprobs += result.output_logprobs
         self.output_versions += versions
+
+    def extend_routes(self, result: GenerateResult, positions: int, url: str) -> None:
+        """Append a segment's routes, which must cover ``positions`` positions (after ``extend``)."""
+        raw = result.routed_experts
+        if raw is None:
+            if result.output_ids:
+                raise SampleError(f"{url} returned no routed_experts; a MoE model served by SGLang needs "
+                                  "--enable-return-routed-experts (a dense model has none: turn "
+                                  "rollout.return_routed_experts off)")
+            return  # aborted before it ran: it computed nothing
+        width = len(self.routed_experts) // self.route_positions if self.route_positions else None
+        if len(raw) % max(positions, 1) or (positions == 0 and raw) or (
+                width is not None and len(raw) != width * positions):
+            raise SampleError(f"{url} returned {len(raw)} bytes of routed_experts for {positions} positions"
+                              + (f" of {width} bytes each" if width else ""))
+        self.routed_experts = (self.routed_experts or b"") + raw
+        self.route_positions += positions
 
 
 class VersionParser:
@@ -68,7 +93,8 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], sampling: dic
                           max_new_tokens: int, rid: str, wait_running: Callable[[], Awaitable[None]],
                           parse_version: Callable[[str], int],
                           is_paused: Callable[[], bool] = lambda: False,
-                          on_tokens: Callable[[int], None] = lambda n: None) -> SampleOutput:
+                          on_tokens: Callable[[int], None] = lambda n: None,
+                          return_routed_experts: bool = False) -> SampleOutput:
     """Generate one sample to completion (``stop`` or ``length``) through any interruptions."""
     out = SampleOutput()
     segment = fruitless = 0
@@ -83,7 +109,9 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], sampling: dic
         params = {**sampling, "max_new_tokens": remaining}
         pool.begin(slot)
         try:
-            result = await slot.client.generate(prompt_ids + out.output_ids, params, rid=f"{rid}.{segment}")
+            result = await slot.client.generate(prompt_ids + out.output_ids, params, rid=f"{rid}.{segment}",
+                                                return_routed_experts=return_routed_experts,
+                                                routed_experts_start_len=out.route_positions)
         except ServerError as e:
             if e.status is not None and 400 <= e.status < 500 and e.status not in (408, 429):
                 raise SampleError(f"request {rid} rejected by {slot.url}: {e}") from e
@@ -93,6 +121,8 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], sampling: dic
             pool.end(slot)
             segment += 1
         out.extend(result, [parse_version(v) for v in result.output_versions])
+        if return_routed_experts:
+            out.extend_routes(result, len(prompt_ids) + len(out.output_ids) - 1 - out.route_positions, slot.url)
         on_tokens(len(result.output_ids))
         if result.finish_reason != "abort":
             out.finish_reason = result.finish_reason

@@ -4,6 +4,13 @@ Token alignment: ``input_ids = prompt_ids + output_ids``. Per-token quantities o
 (``output_logprobs``, ``output_versions``) have one entry per output token; the trainer's
 per-position logprobs of a sequence of length L have L - 1 entries (token t given tokens < t),
 so the output token k sits at position ``len(prompt_ids) - 1 + k`` of that vector.
+
+``routed_experts`` (MoE models, with ``rollout.return_routed_experts``) follows the same L - 1
+positions: the experts the rollout routed each of tokens 0 .. L - 2 to, in every layer, as int32
+bytes of shape ``(L - 1, num_layers, top_k)`` in C order (SGLang's ``return_routed_experts``
+array); ``torch.frombuffer(bytearray(t.routed_experts), dtype=torch.int32).view(L - 1, layers,
+top_k)`` reads it. A sample interrupted by weight updates has, at each position, the routing of
+the weights that produced the token after it.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ class Trajectory:
     reward: float = 0.0
     finish_reason: str = ""  # stop | length | abort
     interruptions: int = 0  # times generation was paused and resumed under newer weights
+    routed_experts: bytes | None = None  # see the module docstring
 
     @property
     def input_ids(self) -> list[int]:

@@ -138,7 +138,7 @@ class Api:
             loop.call_soon_threadsafe(_resolve, futures[req.rid], req)
 
         try:
-            e.submit(prompts, on_finish)
+            e.submit(prompts, on_finish, record_routes=parsed.return_routed_experts)
         except QueueFull as err:
             return _error(503, str(err))
         self.in_flight.update(rids)
@@ -151,7 +151,8 @@ class Api:
         if failed is not None:  # the model failed on it: an error, not a partial answer
             return _error(_error_status(failed), failed.finish_reason["message"])
         out = [response(r, return_logprob=parsed.return_logprob, weight_version=e.weight_version,
-                        tokenizer=self.tokenizer) for r in done]
+                        tokenizer=self.tokenizer, routed_experts_start_len=parsed.routed_experts_start_len)
+               for r in done]
         return web.json_response(out[0] if parsed.single else out)
 
     async def _wait_or_abort(self, request: web.Request, futures: list[asyncio.Future[Request]],
@@ -341,4 +342,5 @@ def _resolve(future: asyncio.Future[Request], req: Request) -> None:
 
 
 def _architecture(model_type: str) -> str:
-    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]

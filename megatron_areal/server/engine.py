@@ -20,6 +20,7 @@ from megatron_areal.server.attention import ForwardBatch
 from megatron_areal.server.config import EngineOptions
 from megatron_areal.server.kv_cache import KVCache
 from megatron_areal.server.model import CausalLM, rope_inv_freq
+from megatron_areal.server.routes import RouteLog
 from megatron_areal.server.sampler import SamplingParams, sample
 from megatron_areal.server.scheduler import Request, Scheduler
 from megatron_areal.server.step_lock import StepLock
@@ -133,8 +134,12 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, prompts: list[tuple[str, list[int], SamplingParams]],
-               on_finish: Callable[[Request], None]) -> list[Request]:
-        """Queue requests (all or none); raises QueueFull past ``max_queue`` or when stopping."""
+               on_finish: Callable[[Request], None], *, record_routes: bool = False) -> list[Request]:
+        """Queue requests (all or none); raises QueueFull past ``max_queue`` or when stopping.
+
+        ``record_routes``: keep the experts each position is routed to (``Request.routes``); a
+        dense model has none to keep.
+        """
         if any(not ids for _, ids, _ in prompts):
             raise ValueError("a prompt has no tokens: there is nothing to continue")
         with self._inbox_lock:
@@ -146,7 +151,8 @@ class Engine:
             for rid, ids, params in prompts:
                 seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
                 gen = torch.Generator().manual_seed(seed)
-                reqs.append(Request(rid=rid, prompt_ids=ids, params=params, generator=gen, on_finish=on_finish))
+                reqs.append(Request(rid=rid, prompt_ids=ids, params=params, generator=gen, on_finish=on_finish,
+                                    routes=self._route_log() if record_routes else None))
             runnable = [r for r in reqs if r.params.max_new_tokens > 0]
             self._inbox.extend(runnable)
             self._queued += len(runnable)
@@ -156,6 +162,9 @@ class Engine:
                 on_finish(r)
         self._work.set()  # never takes the engine lock: the event loop must not wait for a step
         return reqs
+
+    def _route_log(self) -> RouteLog | None:
+        return RouteLog(self.arch.num_layers, self.arch.num_experts_per_tok) if self.arch.is_moe else None
 
     def has_room(self, count: int) -> bool:
         """Whether ``count`` more requests fit the queue now (``submit`` checks again, atomically)."""
@@ -220,6 +229,10 @@ class Engine:
         for donor, r, n in plan.shares:
             self.cache.copy_prefix(donor.slot, r.slot, n)
             r.cached = n
+            if r.routes is not None and donor.routes is not None and donor.routes.length >= n:
+                r.routes.copy_prefix(donor.routes, n)
+            elif r.routes is not None:  # the donor kept no routes: compute the prompt again
+                r.cached = 0
         touched = plan.decode + plan.prefill  # one forward: decodes and prefills packed together
         failed = self._run(touched)
         finished = [r for r in touched if r.finish_reason is not None]
@@ -259,9 +272,13 @@ class Engine:
             tokens = torch.tensor([[t for row in rows for t in row]], dtype=torch.long, device=self.device)
             batch = ForwardBatch([r.slot for r in reqs], [r.cached for r in reqs], [len(row) for row in rows],
                                  self.device)
-            logits = self.model(tokens, batch, self.cache)
+            routes = [] if any(r.routes is not None for r in reqs) else None
+            logits = (self.model(tokens, batch, self.cache) if routes is None
+                      else self.model(tokens, batch, self.cache, routes))
             ids, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
             ids, logprobs = ids.tolist(), logprobs.tolist()
+            if routes:
+                _record_routes(reqs, rows, torch.stack(routes, dim=1).to(device="cpu", dtype=torch.int32))
         except Exception:
             for r, state in zip(reqs, states, strict=True):
                 r.generator.set_state(state)
@@ -487,6 +504,15 @@ def _parse_specs(names: list[str], dtypes: list[str],
         if any(x < 0 for x in shape):
             raise WeightError(f"{name}: negative dimension in shape {shape}")
     return specs
+
+
+def _record_routes(reqs: list[Request], rows: list[list[int]], routes_NLK: torch.Tensor) -> None:
+    """Give each request the routes of the tokens it fed (packed in ``reqs`` order), at their positions."""
+    first = 0
+    for r, row in zip(reqs, rows, strict=True):
+        if r.routes is not None:
+            r.routes.write(r.cached, routes_NLK[first:first + len(row)])
+        first += len(row)
 
 
 def _failed(r: Request) -> bool:

@@ -1,5 +1,5 @@
-"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 dense families, over a packed batch
-and a slot KV cache.
+"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 dense families and Qwen3-MoE, over a
+packed batch and a slot KV cache.
 
 Module names mirror the Hugging Face checkpoints, so ``state_dict()`` keys are the HF tensor names
 and weights load (from disk or from the trainer) without a name map.
@@ -14,6 +14,7 @@ from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.rope import rope_inv_freq
 from megatron_areal.server.attention import ForwardBatch, packed_attention
 from megatron_areal.server.kv_cache import KVCache
+from megatron_areal.server.moe import GatedMLP, SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -63,29 +64,20 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(b, t, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.self_attn = Attention(arch)
-        self.mlp = MLP(arch)
+        self.is_moe = arch.is_moe
+        self.mlp = SparseMoE(arch) if arch.is_moe else GatedMLP(arch.hidden_size, arch.intermediate_size)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, routes) if self.is_moe else self.mlp(h))
 
 
 class CausalLM(nn.Module):
@@ -106,13 +98,17 @@ class CausalLM(nn.Module):
         return self.lm_head.weight
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """tokens [1, N] (the batch's rows packed) -> fp32 logits of each row's last token, [rows, vocab]."""
+    def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache,
+                routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens [1, N] (the batch's rows packed) -> fp32 logits of each row's last token, [rows, vocab].
+
+        With ``routes`` (a MoE model), each layer appends the experts it chose per token, [N, top_k].
+        """
         x = self.model.embed_tokens(tokens)
         freqs = batch.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, batch)
+            x = layer(x, cos, sin, cache, i, batch, routes)
         last = x[0, batch.last]
         return F.linear(self.model.norm(last), self.output_weight()).float()

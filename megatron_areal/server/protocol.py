@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_areal.server.routes import encode_routes
 from megatron_areal.server.sampler import SamplingParams
 from megatron_areal.server.scheduler import Request
 
@@ -18,7 +19,8 @@ class BadRequest(ValueError):
 
 
 TOP_LEVEL_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob",
-                  "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+                  "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                  "return_routed_experts", "routed_experts_start_len"}
 # Accepted only at their neutral value: the embedded server does not implement them.
 NEUTRAL_PARAMS: dict[str, Any] = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
                                   "repetition_penalty": 1.0, "logit_bias": None, "json_schema": None,
@@ -40,6 +42,8 @@ class Parsed:
     groups: list[tuple[str, list[int], SamplingParams]]
     single: bool  # one prompt with n == 1: the reply is an object, else an array
     return_logprob: bool
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0  # routes cover positions [start, prompt + output - 1)
 
     @property
     def count(self) -> int:
@@ -210,6 +214,7 @@ def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int, max_r
     if not isinstance(return_logprob, bool):
         raise BadRequest(f"return_logprob: expected true/false, got {return_logprob!r}")
     batch, single = _prompts(body, tokenizer, vocab, max_requests)
+    return_routes, routes_start = _routes_fields(body, min(len(ids) for ids in batch))
     sps = body.get("sampling_params") or {}
     sps = sps if isinstance(sps, list) else [sps] * len(batch)
     if len(sps) != len(batch):
@@ -219,12 +224,28 @@ def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int, max_r
     for ids, sp, rid in zip(batch, sps, rids, strict=True):
         groups.append((rid, ids, parse_sampling(sp, len(ids), max_len, vocab, tokenizer is not None,
                                                 max_n=max_requests)))
-    parsed = Parsed(groups=groups, single=False, return_logprob=return_logprob)
+    parsed = Parsed(groups=groups, single=False, return_logprob=return_logprob,
+                    return_routed_experts=return_routes, routed_experts_start_len=routes_start)
     if parsed.count > max_requests:
         raise BadRequest(f"sampling_params.n: {len(batch)} prompts x n make {parsed.count} sequences; "
                          f"this server queues at most {max_requests}")
     parsed.single = single and parsed.count == 1
     return parsed
+
+
+def _routes_fields(body: dict[str, Any], shortest_prompt: int) -> tuple[bool, int]:
+    """``return_routed_experts`` and ``routed_experts_start_len``, which must lie in [0, prompt tokens]
+    (SGLang 0.5.23 refuses the request otherwise)."""
+    wanted = body.get("return_routed_experts", False)
+    if not isinstance(wanted, bool):
+        raise BadRequest(f"return_routed_experts: expected true/false, got {wanted!r}")
+    start = body.get("routed_experts_start_len", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise BadRequest(f"routed_experts_start_len: expected an integer >= 0, got {start!r}")
+    if wanted and start > shortest_prompt:
+        raise BadRequest(f"routed_experts_start_len: {start} is higher than the number of input tokens "
+                         f"({shortest_prompt})")
+    return wanted, start
 
 
 def version_spans(versions: list[str]) -> list[dict[str, Any]]:
@@ -237,7 +258,9 @@ def version_spans(versions: list[str]) -> list[dict[str, Any]]:
     return spans
 
 
-def response(req: Request, *, return_logprob: bool, weight_version: str, tokenizer: Any) -> dict[str, Any]:
+def response(req: Request, *, return_logprob: bool, weight_version: str, tokenizer: Any,
+             routed_experts_start_len: int = 0) -> dict[str, Any]:
+    """The answer for one finished request; ``meta_info.routed_experts`` when its routes were kept."""
     meta: dict[str, Any] = {
         "id": req.rid, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids), "cached_tokens": 0, "weight_version": weight_version,
@@ -246,6 +269,9 @@ def response(req: Request, *, return_logprob: bool, weight_version: str, tokeniz
     if return_logprob:
         meta["output_token_logprobs"] = [[_finite(lp), t, None] for lp, t in zip(req.output_logprobs,
                                                                                  req.output_ids, strict=True)]
+    routes = _routes(req, routed_experts_start_len)
+    if routes is not None:
+        meta["routed_experts"] = routes
     out: dict[str, Any] = {"output_ids": req.output_ids, "meta_info": meta}
     if tokenizer is not None:
         ids = req.output_ids
@@ -258,6 +284,15 @@ def response(req: Request, *, return_logprob: bool, weight_version: str, tokeniz
             text = text[:text.rindex(matched)]  # ... and the stop string
         out["text"] = text
     return out
+
+
+def _routes(req: Request, start: int) -> str | None:
+    """Positions ``[start, seqlen - 1)`` of prompt + output, encoded as SGLang does; None when the
+    request kept no routes or never got through the model (aborted while queued)."""
+    end = len(req.prompt_ids) + len(req.output_ids) - 1
+    if req.routes is None or req.routes.length < end:
+        return None
+    return encode_routes(req.routes.rows(min(start, end), end))
 
 
 def _finite(logprob: float) -> float | None:

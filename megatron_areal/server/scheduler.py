@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_areal.server.routes import RouteLog
 from megatron_areal.server.sampler import SamplingParams
 
 
@@ -34,6 +35,7 @@ class Request:
     slot: int | None = None
     cached: int = 0  # leading tokens of all_ids whose KV is in the slot
     finish_reason: dict[str, Any] | None = None
+    routes: RouteLog | None = None  # the experts each position was routed to, when asked for (MoE)
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
 
