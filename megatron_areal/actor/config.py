@@ -9,6 +9,9 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The policy model: where its HF weights come from, its dtype, the longest sequence trained, and the
+    Megatron layer spec."""
+
     path: str = "smollm2-135m"  # HF folder, or a built-in asset name (see megatron_areal.assets)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     max_seq_len: int = 1024  # longest prompt + response the trainer accepts
@@ -18,11 +21,15 @@ class ModelConfig:
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.max_seq_len > 0, "max_seq_len", "must be positive")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    """The trainer's parallel layout (TP, PP, EP, ETP, sequence parallel), its backend, and how sequences are
+    packed into micro-batches."""
+
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallel (MoE models): ranks the experts are split over, within data parallel
@@ -33,6 +40,7 @@ class ParallelConfig:
     packing: Literal["ffd", "kk"] = "ffd"  # first-fit-decreasing or Karmarkar-Karp
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.tp >= 1, "tp", "must be >= 1")
         require(self.pp >= 1, "pp", "must be >= 1")
         require(self.ep >= 1, "ep", "must be >= 1")
@@ -43,6 +51,8 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
+    """Adam, gradient clipping and the learning-rate schedule of the actor."""
+
     lr: float = 5e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -55,6 +65,7 @@ class OptimizerConfig:
     distributed: bool = True  # Megatron's distributed optimizer (shards state across DP)
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.lr > 0, "lr", "must be positive")
         require(0 <= self.min_lr <= self.lr, "min_lr", "must be between 0 and lr")
         require(self.clip_grad >= 0, "clip_grad", "must be >= 0")

@@ -30,6 +30,9 @@ class ServerError(RuntimeError):
 
 @dataclass
 class GenerateResult:
+    """One ``/generate`` answer: the output tokens with their logprobs and the weight version of each, why it
+    finished, and the token counts."""
+
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
@@ -44,6 +47,7 @@ class GenerateResult:
 
     @classmethod
     def from_response(cls, body: dict[str, Any]) -> GenerateResult:
+        """Parse SGLang's JSON answer (its ``meta_info``), tolerating the fields older versions lack."""
         meta = body.get("meta_info") or {}
         ids = [int(t) for t in body.get("output_ids") or []]
         logprobs = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
@@ -95,6 +99,7 @@ class RolloutClient:
                                               connector=aiohttp.TCPConnector(limit=0, force_close=False))
 
     async def close(self) -> None:
+        """Close the HTTP session."""
         await self._session.close()
 
     async def __aenter__(self) -> RolloutClient:
@@ -162,15 +167,19 @@ class RolloutClient:
             await self._request("POST", "/pause_generation")  # 0.5.2: no body, always aborts
 
     async def resume(self) -> None:
+        """``/continue_generation``."""
         await self._request("POST", "/continue_generation", {})
 
     async def abort_all(self) -> None:
+        """Abort every request on the server (``/abort_request`` with ``abort_all``)."""
         await self._request("POST", "/abort_request", {"abort_all": True})
 
     async def abort(self, rid: str) -> None:
+        """Abort the request ``rid``."""
         await self._request("POST", "/abort_request", {"rid": rid})
 
     async def flush_cache(self) -> None:
+        """``/flush_cache``: drop the server's prefix cache."""
         await self._request("POST", "/flush_cache")
 
     async def alive(self, timeout_s: float = 5.0) -> bool:
@@ -183,6 +192,7 @@ class RolloutClient:
             return False
 
     async def health(self, timeout_s: float = 5.0) -> bool:
+        """Whether ``/health`` answers 200 (SGLang generates a token for it: it waits while paused)."""
         try:
             await self._request("GET", "/health", timeout_s=timeout_s)
             return True
@@ -200,12 +210,14 @@ class RolloutClient:
                    for x in reply.get("loads", []))
 
     async def weight_version(self) -> str:
+        """The weight version the server holds (``/get_weight_version``, else ``/model_info``)."""
         reply = await self._request("GET", "/get_weight_version", ok404=True)
         if reply is None:
             reply = await self._request("GET", "/model_info")
         return str(reply["weight_version"])
 
     async def model_info(self) -> dict[str, Any]:
+        """``/model_info`` (``/get_model_info`` on older SGLang)."""
         reply = await self._request("GET", "/model_info", ok404=True)
         return reply if reply is not None else await self._request("GET", "/get_model_info")
 
@@ -213,17 +225,21 @@ class RolloutClient:
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "weight_update_group",
                                         backend: str = "gloo") -> None:
+        """Ask the server to join the trainer's weight-update group (the trainer joins at the same time)."""
         await self._control("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend})
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Ask the server to leave a weight-update group."""
         await self._control("/destroy_weights_update_group", {"group_name": group_name})
 
     async def begin_weight_update(self) -> None:
+        """Open a weight-update session (SGLang 0.5.23; a no-op where the route does not exist)."""
         await self._request("POST", "/begin_weight_update", {"selector": "all"}, ok404=True)
 
     async def end_weight_update(self) -> None:
+        """Close the weight-update session."""
         await self._request("POST", "/end_weight_update", {}, ok404=True)
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
@@ -244,6 +260,7 @@ class RolloutClient:
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        timeout_s: float | None = None) -> None:
+        """Load the whole model from a folder on a filesystem the server reads."""
         await self._control("/update_weights_from_disk", {
             "model_path": model_path, "weight_version": weight_version, "flush_cache": True},
             timeout_s=timeout_s)

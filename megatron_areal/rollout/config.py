@@ -8,6 +8,9 @@ from megatron_areal.configbase import require
 
 @dataclass(kw_only=True)
 class RolloutConfig:
+    """What is generated per step (groups, samples per prompt, sampling), how much may be in flight, and the
+    servers' timeouts."""
+
     batch_size: int = 8  # prompts (groups) per training step
     group_size: int = 8  # samples per prompt
     max_new_tokens: int = 64
@@ -24,6 +27,7 @@ class RolloutConfig:
     return_routed_experts: bool = False
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.batch_size >= 1, "batch_size", "must be >= 1")
         require(self.group_size >= 1, "group_size", "must be >= 1")
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
@@ -36,8 +40,12 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class StalenessConfig:
+    """The staleness bound ``eta`` and whether generation overlaps training (``overlap = false`` with ``eta =
+    0``: synchronous)."""
+
     eta: int = 4  # max policy versions between a rollout's start and its training step
     overlap: bool = True  # False with eta 0: synchronous (generate the batch, then train)
 
     def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.eta >= 0, "eta", "must be >= 0")

@@ -79,6 +79,7 @@ class RolloutLoop:
         self._spawn(self._health_loop(), "health")
 
     async def close(self) -> None:
+        """Cancel the loop's tasks and ask the healthy servers to abort what they were generating for it."""
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -210,6 +211,9 @@ class RolloutLoop:
     # ----- trainer-facing operations (called through the controller thread bridge)
 
     async def take_batch(self, timeout: float) -> list[Trajectory]:
+        """The oldest ``batch_size`` admissible groups' trajectories once the buffer holds them (stale
+        groups are dropped first); raises ``RolloutError`` on timeout, saying what is missing, or when
+        the prompts run out."""
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             if self._error is not None:
@@ -244,6 +248,8 @@ class RolloutLoop:
                 + (f" ({', '.join(down)})" if down else ""))
 
     async def pause(self, pause_servers: bool = True) -> None:
+        """Stop submitting; with ``pause_servers`` also pause every healthy server (a server that fails to
+        pause is marked down)."""
         self._running.clear()
         if not pause_servers:  # the weight mover pauses them itself
             return
@@ -254,6 +260,7 @@ class RolloutLoop:
                 self.pool.mark_down(slot, f"pause failed: {r}")
 
     async def resume(self, version: int, resume_servers: bool = True) -> None:
+        """Move to ``version``, continue the servers (unless the weight path did), and submit again."""
         self.set_version(version)
         if resume_servers:
             slots = self.pool.healthy()
@@ -265,6 +272,7 @@ class RolloutLoop:
         self._changed.notify()
 
     def set_version(self, version: int) -> None:
+        """Move to ``version`` and drop the buffered groups it makes too old."""
         self.gate.on_version(version)
         self.version = version
         dropped = self.buffer.drop_stale(version)
@@ -275,6 +283,8 @@ class RolloutLoop:
             self._changed.notify()
 
     def metrics(self) -> dict[str, float]:
+        """The last batch's statistics, the gate's and buffer's counts, failures, server health and the
+        throughput since the last call."""
         c = self.gate.counts()
         stats = dict(self.last_batch)
         stats.update({
@@ -303,6 +313,8 @@ class RolloutLoop:
                 "next_group_id": self._next_gid}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` before start: the groups in flight at save time come out of the prompt
+        stream again first."""
         if self._inflight:
             raise RolloutError("load_state_dict while groups are in flight; restore before start()")
         self.prompts.load_state_dict(state["prompts"])

@@ -75,6 +75,7 @@ class Api:
         self.weights = WeightQueue()
 
     def app(self, max_body_bytes: int) -> web.Application:
+        """The aiohttp application with SGLang's routes, the API-key middleware and the body size limit."""
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
         r = app.router
         r.add_route("*", "/generate", self.generate)
@@ -119,6 +120,8 @@ class Api:
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
+        """``/generate``: one prompt or a batch; answers when every sample finished, and aborts them if the
+        client goes away."""
         body = await _json(request)
         e = self.engine
         parsed = parse_generate(body, tokenizer=self.tokenizer, vocab=e.arch.vocab_size, max_len=e.max_len,
@@ -168,6 +171,8 @@ class Api:
                 await asyncio.wait(pending)
 
     async def health(self, request: web.Request) -> web.Response:
+        """``/health``, ``/health_generate`` (wait while paused, as SGLang's one-token generation does) and
+        ``/ready`` (503 while paused); 503 also when the model cannot step."""
         if request.path == "/ready" and self.engine.paused:
             return web.Response(status=503)
         if request.path != "/ready" and not await self._generation_resumes():
@@ -188,6 +193,8 @@ class Api:
 
     # ---- control -------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
+        """``/pause_generation``: ``abort`` returns running requests with their tokens so far, ``retract``
+        re-queues them, ``in_place`` keeps them in their slots."""
         body = await _json(request, optional=True)
         mode = _field(body, "mode", str, "abort")
         if mode not in ("abort", "retract", "in_place"):
@@ -197,12 +204,14 @@ class Api:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
+        """``/continue_generation``."""
         await _json(request, optional=True)
         await asyncio.to_thread(self.engine.resume)
         self.running.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort(self, request: web.Request) -> web.Response:
+        """``/abort_request``: one request by ``rid``, or all with ``abort_all``."""
         body = await _json(request, optional=True)
         abort_all = _field(body, "abort_all", bool, False)
         rid = _field(body, "rid", str, "")
@@ -211,6 +220,7 @@ class Api:
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        """``/flush_cache``: 400 while requests run or wait, as SGLang answers."""
         if await asyncio.to_thread(self.engine.flush_cache):
             return web.Response(text="Cache flushed.\n")
         return web.Response(status=400, text="Cache not flushed: requests are running or queued.\n")
@@ -223,15 +233,18 @@ class Api:
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_update(self, request: web.Request) -> web.Response:
+        """Close the session ``begin_update`` opened."""
         await _json(request, optional=True)
         await self.weights.run(self.engine.end_weight_update)
         return web.json_response({"success": True, "message": "Success"})
 
     # ---- info ----------------------------------------------------------------------------
     async def get_weight_version(self, request: web.Request) -> web.Response:
+        """``/get_weight_version``."""
         return web.json_response({"weight_version": self.engine.weight_version})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
+        """``/update_weight_version``: rename the held weights (aborting requests unless told not to)."""
         body = await _json(request)
         version = _field(body, "new_version", (str, int))
         if _field(body, "abort_all_requests", bool, True):
@@ -240,6 +253,8 @@ class Api:
         return web.json_response({"success": True, "message": f"weight version {version}"})
 
     async def model_info(self, request: web.Request) -> web.Response:
+        """``/model_info``: model path, architecture, weight version and context length; answers while
+        paused and during updates."""
         e = self.engine
         return web.json_response({
             "model_path": e.model_path, "served_model_name": self.served_model_name,
@@ -248,12 +263,14 @@ class Api:
             "context_length": e.max_len, "load_format": "safetensors"})
 
     async def loads(self, request: web.Request) -> web.Response:
+        """``/v1/loads``: running and waiting requests, for least-loaded routing."""
         running, waiting = self.engine.load()
         usage = running / self.engine.cache.num_slots
         return web.json_response({"timestamp": time.time(), "version": "megatron-areal", "loads": [
             {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "token_usage": usage}]})
 
     async def models(self, request: web.Request) -> web.Response:
+        """``/v1/models``: the served model and its context length."""
         return web.json_response({"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "owned_by": "megatron-areal",
             "max_model_len": self.engine.max_len}]})
@@ -270,6 +287,7 @@ class Api:
 
     # ---- weights -------------------------------------------------------------------------
     async def init_group(self, request: web.Request) -> web.Response:
+        """``/init_weights_update_group``: join the trainer's group (on the weight thread, in arrival order)."""
         b = await _json(request)
         await self.weights.run(
             self.engine.init_group, master_address=_field(b, "master_address", str),
@@ -281,11 +299,14 @@ class Api:
         return web.json_response({"success": True, "message": "joined the weight update group"})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
+        """``/destroy_weights_update_group``."""
         b = await _json(request, optional=True)
         await self.weights.run(self.engine.destroy_group, _field(b, "group_name", str, "weight_update_group"))
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def update_distributed(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_distributed``: receive one bucket of tensors by broadcast from the
+        trainer and install it."""
         b = await _json(request)
         names, dtypes, shapes = _field(b, "names", list), _field(b, "dtypes", list), _field(b, "shapes", list)
         if not (len(names) == len(dtypes) == len(shapes)) or not all(isinstance(n, str) for n in names) \
@@ -304,6 +325,7 @@ class Api:
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
 
     async def update_disk(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_disk``: load the whole model from a folder."""
         b = await _json(request)
         path = _field(b, "model_path", str)
         version = _field(b, "weight_version", (str, int), None)
@@ -313,6 +335,7 @@ class Api:
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
 
     async def update_tensor(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_tensor``: refused (it needs CUDA IPC on one node)."""
         await _json(request, optional=True)
         await self.weights.run(self.engine.require_update_session, "update_weights_from_tensor")
         return _refused("update_weights_from_tensor needs CUDA IPC on one node; use "

@@ -40,6 +40,8 @@ REPROBE_S = 2.0
 
 
 class QueueFull(RuntimeError):
+    """More requests than ``max_queue`` would wait (the API answers 503)."""
+
     pass
 
 
@@ -91,6 +93,7 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        """Start the model-runner thread."""
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -113,6 +116,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
+        """Whether the model-runner thread is running."""
         return self._thread.is_alive()
 
     def health(self) -> tuple[bool, str]:
@@ -342,6 +346,9 @@ class Engine:
 
     # ---- control (called from worker threads) -------------------------------------------
     def pause(self, mode: str) -> None:
+        """Stop stepping. ``abort``: running and waiting requests finish now with what they have;
+        ``retract``: running ones go back to waiting, to continue under the next weights; ``in_place``:
+        they keep their slots."""
         with self._lock:
             self.paused = True
             self.scheduler.waiting.extend(self._drain_inbox())
@@ -353,6 +360,7 @@ class Engine:
                 self._retract()
 
     def resume(self) -> None:
+        """Step again."""
         with self._lock:
             self.paused = False
         self._work.set()
@@ -391,22 +399,26 @@ class Engine:
 
     # ---- weights -------------------------------------------------------------------------
     def update_from_disk(self, model_path: str, version: str | None) -> None:
+        """Install the whole model from a safetensors folder as ``version``."""
         tensors = read_safetensors(model_path)
         self._install(tensors, version, complete=True)
         self.model_path = str(model_path)
 
     def checksums(self, dtype: torch.dtype | None) -> dict[str, dict[str, object]]:
+        """Per-tensor checksums of the weights (in ``dtype`` if given), to compare with the trainer's."""
         with self._lock:
             return checksums(self.model, dtype)
 
     # Weight-group methods run on the API's one weight thread, in arrival order (as SGLang's
     # scheduler runs them), so the session flag and ``groups`` need no lock of their own.
     def begin_weight_update(self) -> None:
+        """Open the one weight-update session (SGLang refuses a second)."""
         if self._update_session:
             raise WeightError("a weight-update session is already open; call /end_weight_update first")
         self._update_session = True
 
     def end_weight_update(self) -> None:
+        """Close the weight-update session."""
         if not self._update_session:
             raise WeightError("no weight-update session is open; call /begin_weight_update first")
         self._update_session = False
@@ -434,6 +446,7 @@ class Engine:
                               f"{master_address}:{master_port}: {e}") from None
 
     def destroy_group(self, group_name: str) -> None:
+        """Leave and forget the weight-update group ``group_name``."""
         group = self.groups.pop(group_name, None)
         if group is None:
             raise WeightError(f"no weight update group {group_name!r}")
