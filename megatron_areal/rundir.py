@@ -47,36 +47,45 @@ class RunDir:
 
     @property
     def plan(self) -> Path:
+        """The launcher's plan, read by every role."""
         return self.root / "plan.json"
 
     @property
     def servers(self) -> Path:
+        """One registration file per healthy rollout server."""
         return self.root / "servers"
 
     @property
     def logs(self) -> Path:
+        """One log per child process."""
         return self.root / "logs"
 
     @property
     def control(self) -> Path:
+        """Requests to the trainer (checkpoint, hold) and its answers."""
         return self.root / "control"
 
     @property
     def checkpoints(self) -> Path:
+        """``checkpoint.dir`` when set, else ``RUN_DIR/checkpoints``."""
         return Path(self.checkpoint_dir) if self.checkpoint_dir else self.root / "checkpoints"
 
     @property
     def metrics(self) -> Path:
+        """One JSON line of scalars per step."""
         return self.root / "metrics.jsonl"
 
     @property
     def evals(self) -> Path:
+        """One JSON line per held-out evaluation."""
         return self.root / "eval.jsonl"
 
     @property
     def trained(self) -> Path:
+        """Which prompts each step trained, with their staleness."""
         return self.root / "trained.jsonl"
 
     @property
     def tensorboard(self) -> Path:
+        """TensorBoard events of the same scalars."""
         return self.root / "tensorboard"

@@ -27,14 +27,17 @@ log = logging.getLogger(__name__)
 
 
 def shard_name(stage: int, stages: int) -> str:
+    """The safetensors file name of pipeline stage ``stage`` of ``stages``, as HF names shards."""
     return f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
 
 
 def staging_dir(root: Path, version: str) -> Path:
+    """Where a version is written before it is complete."""
     return root / f".v{version}.partial"
 
 
 def version_dir(root: Path, version: str) -> Path:
+    """Where a complete version lies (renamed from its staging folder)."""
     return root / f"v{version}"
 
 

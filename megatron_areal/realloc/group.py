@@ -54,6 +54,7 @@ class WeightUpdateGroup:
 
     @property
     def pg(self) -> dist.ProcessGroup:
+        """The process group (raises once destroyed)."""
         if self._pg is None:
             raise RuntimeError(f"weight update group {self.group_name!r} was destroyed")
         return self._pg
@@ -72,6 +73,7 @@ class WeightUpdateGroup:
             torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
+        """Wait until every member reached this point (an all-reduce of one element)."""
         flag = torch.zeros(1, device=self.device)
         dist.all_reduce(flag, group=self.pg)
         self.synchronize()

@@ -32,6 +32,8 @@ class Pending:
 
 @dataclass(frozen=True)
 class Member:
+    """A server in a stage's weight-update group: its URL, how many ranks it brings, its first rank."""
+
     url: str
     tp: int  # ranks the server contributes to the group
     rank_offset: int
@@ -54,6 +56,7 @@ class StageLink:
 
     @property
     def urls(self) -> list[str]:
+        """The members' URLs."""
         return [m.url for m in self.members]
 
     def form(self) -> dict[str, str]:
@@ -111,9 +114,11 @@ class StageLink:
         return errors
 
     def send(self, bucket: Bucket, version: str | None) -> dict[str, str]:
+        """Push one bucket to every member and wait for their replies; returns {url: error} of those that failed."""
         return self.finish(self.post(bucket, version))
 
     def close_group(self) -> None:
+        """Destroy this side of the group."""
         if self.group is not None:
             self.group.destroy()
             self.group = None

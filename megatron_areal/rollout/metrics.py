@@ -44,6 +44,7 @@ class ThroughputWindow:
         self._start = self.clock()
 
     def add_tokens(self, n: int) -> None:
+        """Count ``n`` generated tokens in the current window."""
         self.tokens += n
 
     def roll(self, busy_seconds: float, n_servers: int) -> dict[str, float]:

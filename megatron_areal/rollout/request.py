@@ -38,6 +38,8 @@ class SampleError(RuntimeError):
 
 @dataclass
 class SampleOutput:
+    """What one sample has generated so far, over every segment an interruption split it into."""
+
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
@@ -48,6 +50,7 @@ class SampleOutput:
     route_positions: int = 0
 
     def extend(self, result: GenerateResult, versions: list[int]) -> None:
+        """Append one segment's tokens with their logprobs and versions (their lengths must agree)."""
         n = len(result.output_ids)
         if len(result.output_logprobs) != n or len(versions) != n:
             raise SampleError(f"server answer misaligned: {n} tokens, {len(result.output_logprobs)} "

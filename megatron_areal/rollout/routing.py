@@ -26,6 +26,8 @@ class NoHealthyServer(RuntimeError):
 
 @dataclass
 class ServerSlot:
+    """One server in the pool: its client, whether requests go to it, and its request counts and busy time."""
+
     client: RolloutClient
     healthy: bool = True
     inflight: int = 0
@@ -37,6 +39,7 @@ class ServerSlot:
 
     @property
     def url(self) -> str:
+        """The server's base URL."""
         return self.client.url
 
 
@@ -53,9 +56,11 @@ class ServerPool:
     # ----- routing
 
     def healthy(self) -> list[ServerSlot]:
+        """The servers requests may go to."""
         return [s for s in self.slots if s.healthy]
 
     def down_urls(self) -> list[str]:
+        """URLs of the servers marked down."""
         return [s.url for s in self.slots if not s.healthy]
 
     def pick(self) -> ServerSlot:
@@ -72,12 +77,14 @@ class ServerPool:
             await self._changed.wait()
 
     def begin(self, slot: ServerSlot) -> None:
+        """Count a request sent to ``slot`` (its busy time starts with the first)."""
         if slot.inflight == 0:
             slot.busy_since = self._clock()
         slot.inflight += 1
         slot.requests += 1
 
     def end(self, slot: ServerSlot) -> None:
+        """Count a request of ``slot`` finished; an unmatched end is a bug and raises."""
         if slot.inflight <= 0:
             raise RuntimeError(f"{slot.url}: request finished that was never started")
         slot.inflight -= 1
@@ -88,6 +95,7 @@ class ServerPool:
     # ----- health
 
     def mark_down(self, slot: ServerSlot, reason: str) -> None:
+        """Route nothing more to ``slot`` until the health probe revives it (``reason`` is logged once)."""
         slot.failures += 1
         slot.last_error = reason
         if slot.healthy:
@@ -97,6 +105,7 @@ class ServerPool:
             self._notify()
 
     def mark_up(self, slot: ServerSlot) -> None:
+        """Route to ``slot`` again."""
         if not slot.healthy:
             slot.healthy = True
             log.warning("rollout server %s is healthy again", slot.url)

@@ -9,6 +9,9 @@ from typing import Any, Protocol
 
 
 class PromptLike(Protocol):
+    """A prompt as the rollout loop sees it: its dataset index, its task, and the answer its replies are scored
+    against."""
+
     index: int  # position in the dataset; what a checkpoint re-queues
     task: str  # which verifier scores the replies
 
@@ -21,17 +24,25 @@ class PromptSourceLike(Protocol):
 
     def __next__(self) -> PromptLike: ...
 
-    def push_back(self, indices: list[int]) -> None: ...
+    def push_back(self, indices: list[int]) -> None:
+        """Make these prompt indices come out again first, in this order."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the stream, for a checkpoint."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a ``state_dict``."""
 
 
 class RewardLike(Protocol):
+    """A scored reply: the reward, and whether the verifier ran."""
+
     reward: float
     status: str  # "ok" when the verifier ran; anything else is counted as a reward failure
 
 
 class ScorerLike(Protocol):
-    async def score(self, task: str, response_text: str, answer: Any) -> RewardLike: ...
+    """The reward service as the rollout loop uses it."""
+
+    async def score(self, task: str, response_text: str, answer: Any) -> RewardLike:
+        """Score one reply of ``task`` against ``answer``."""

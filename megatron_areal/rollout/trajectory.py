@@ -20,6 +20,9 @@ from typing import Any
 
 @dataclass(kw_only=True)
 class Trajectory:
+    """One sample: its prompt and output tokens, the behaviour logprob and weight version of each output token,
+    the version it started at, its group and prompt, and its reward."""
+
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)  # behaviour policy, per output token
@@ -36,6 +39,7 @@ class Trajectory:
 
     @property
     def input_ids(self) -> list[int]:
+        """Prompt and output tokens, as the actor computes on them."""
         return self.prompt_ids + self.output_ids
 
     @property
@@ -49,8 +53,10 @@ class Trajectory:
         return [0.0] * (len(self.prompt_ids) - 1) + list(self.output_logprobs)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (checkpoints, the broadcast from rank 0)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        """The trajectory ``to_dict`` wrote."""
         return cls(**data)

@@ -11,6 +11,7 @@ class Signal:
         self._event = asyncio.Event()
 
     def notify(self) -> None:
+        """Wake every coroutine waiting now; later waiters wait for the next notify."""
         self._event.set()
         self._event = asyncio.Event()
 

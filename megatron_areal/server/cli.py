@@ -25,6 +25,8 @@ API_KEY_ENV = "MEGATRON_AREAL_API_KEY"  # how the launcher hands the key to a se
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The ``serve`` command line, checked: a model folder with a config.json, positive limits, one source of
+    the API key."""
     p = argparse.ArgumentParser(prog="megatron-areal serve", description=__doc__)
     p.add_argument("--model", "--model-path", dest="model", required=True, help="Hugging Face model folder")
     p.add_argument("--host", default=ServerConfig.host)
@@ -103,6 +105,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    """Load the model, bind the port, print ``READY <url>``, register if asked, and serve until SIGTERM or
+    SIGINT; then answer everyone and close."""
     # Imported here so that argument errors are reported before torch loads.
     from aiohttp import web
 
@@ -186,6 +190,7 @@ def _bound_port(runner: Any, requested: int) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """``megatron-areal serve``; returns the exit code."""
     args = parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -15,6 +15,9 @@ from megatron_areal.model.arch import ModelArch
 
 
 class KVCache:
+    """Keys and values of ``num_slots`` sequences of up to ``max_len`` tokens, allocated once; a running
+    request owns one slot."""
+
     def __init__(self, arch: ModelArch, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         shape = (arch.num_layers, num_slots, arch.num_kv_heads, max_len, arch.head_dim)
@@ -25,13 +28,16 @@ class KVCache:
 
     @property
     def bytes(self) -> int:
+        """Memory of keys and values together."""
         return 2 * self.k.numel() * self.k.element_size()
 
     @property
     def free_slots(self) -> int:
+        """Slots no request holds."""
         return len(self._free)
 
     def allocate(self) -> int:
+        """Take a free slot (raises when none is left)."""
         if not self._free:
             raise RuntimeError("KV cache: no free slot")
         return self._free.pop()

@@ -18,6 +18,8 @@ GREEDY_BELOW = 1e-6
 
 @dataclass
 class SamplingParams:
+    """SGLang's sampling parameters of one request, as the embedded engine supports them."""
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,6 +33,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0 (below ``GREEDY_BELOW``) or top-k 1: the argmax token."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 

@@ -24,6 +24,9 @@ from megatron_areal.server.sampler import SamplingParams
 
 @dataclass(eq=False)
 class Request:
+    """One sequence in the engine: prompt, sampling state, what it generated (with logprobs and weight
+    versions), its KV slot and how much of it is cached."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -41,11 +44,14 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt and output tokens so far."""
         return self.prompt_ids + self.output_ids
 
 
 @dataclass
 class Plan:
+    """One engine step: requests to prefill, requests to decode, and prompt KV to copy between slots first."""
+
     prefill: list[Request]
     decode: list[Request]
     # (donor, request, n): the request starts from the first n positions of the running donor's KV
@@ -53,6 +59,9 @@ class Plan:
 
 
 class Scheduler:
+    """Continuous batching: which waiting requests start (slots and a prefill token budget permitting), which
+    running ones decode, and when a request is finished."""
+
     def __init__(self, *, max_running: int, max_len: int, eos_ids: tuple[int, ...],
                  max_prefill_tokens: int = 8192, decode: Callable[[list[int]], str] | None = None) -> None:
         self.max_running, self.max_len = max_running, max_len
@@ -63,6 +72,7 @@ class Scheduler:
         self.running: list[Request] = []
 
     def has_work(self) -> bool:
+        """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
     def plan(self, free_slots: int) -> Plan:

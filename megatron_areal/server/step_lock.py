@@ -14,12 +14,15 @@ from contextlib import contextmanager
 
 
 class StepLock:
+    """A lock that control operations take as usual and the model runner takes with ``for_step()``, after them."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting = 0
         self._none_waiting = threading.Condition(threading.Lock())
 
     def acquire(self, timeout: float = -1) -> bool:
+        """Take the lock as a control operation (counted as waiting, so the runner lets it go first)."""
         with self._none_waiting:
             self._waiting += 1
         try:
@@ -31,6 +34,7 @@ class StepLock:
                     self._none_waiting.notify_all()
 
     def release(self) -> None:
+        """Release the lock."""
         self._lock.release()
 
     def __enter__(self) -> StepLock:

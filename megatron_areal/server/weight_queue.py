@@ -17,6 +17,8 @@ from typing import Any
 
 
 class WeightQueue:
+    """A daemon thread that runs queued weight operations one at a time, in arrival order."""
+
     def __init__(self, name: str = "weight-updates") -> None:
         self._jobs: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[], Any]]] = \
             queue.SimpleQueue()

@@ -119,6 +119,7 @@ def check_bucket_offsets(specs: list[tuple[str, torch.dtype, list[int]]]) -> lis
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """A torch dtype from its name (``bfloat16`` or ``torch.bfloat16``); ``WeightError`` for an unknown one."""
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise WeightError(f"unknown dtype {name!r}")
