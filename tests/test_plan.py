@@ -15,7 +15,7 @@ from megatron_areal.launch.plan import Plan
 from megatron_areal.launch.slurm import expand_hostlist, plan_allocation
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"1.5b": 16, "7b": 24, "32b": 64}  # script -> the node count its documentation describes
+SCRIPTS = {"1.5b": 16, "7b": 24, "32b": 64, "qwen3_30b_a3b": 16}  # script -> the node count it documents
 SIZES = (16, 24, 64)
 
 
@@ -98,6 +98,9 @@ def test_layout_matches_the_script_documentation(script: str) -> None:
     cfg = load_config(ROOT / f"configs/train_{script}.yaml")
     assert doc["eta0"] == cfg.staleness.eta
     assert cfg.cluster.nodes == nodes
+    experts = re.search(r"# experts:\s+EP (\d+) x ETP (\d+)", (ROOT / f"slurm/train_{script}.sh").read_text())
+    documented = (int(experts[1]), int(experts[2])) if experts else (1, 1)
+    assert documented == (cfg.parallel.ep, cfg.parallel.etp)
 
 
 def test_tiny_script_layout_on_two_cpu_nodes() -> None:
@@ -158,6 +161,61 @@ def test_dry_run_reports_failing_checks(extra: list[str], expected: str, capsys:
     rc, out = _dry([str(ROOT / "configs/train_32b.yaml"), "--dry-run", *extra], capsys)
     assert rc == 1
     assert "FAILED" in out and expected in out
+
+
+# ---- Mixture-of-Experts plans: Qwen3-30B-A3B (slurm/train_qwen3_30b_a3b.sh) and the Qwen3-235B-A22B plan
+
+
+@pytest.mark.parametrize("config, nodes, layout, experts", [
+    ("train_qwen3_30b_a3b", 16, "TP 2 x PP 1 x DP 16", "EP 8 x ETP 1 x PP 1, expert DP 4; 16 of 128 experts"),
+    ("train_qwen3_235b_a22b", 64, "TP 4 x PP 2 x DP 16", "EP 16 x ETP 1 x PP 2, expert DP 4; 8 of 128 experts"),
+])
+def test_dry_run_moe_plans_pass(config: str, nodes: int, layout: str, experts: str,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _dry([str(ROOT / f"configs/{config}.yaml"), "--dry-run", "--nodes", str(nodes), "--gpus-per-node", "8"],
+                   capsys)
+    assert rc == 0, out
+    assert f"{nodes} nodes x 8 GPUs = {nodes * 8} GPUs" in out and layout in out and "checks: all passed" in out
+    assert f"note: trainer experts: {experts} per EP rank" in out
+    assert "warning: model.path 'Qwen/Qwen3-" in out and "is not a folder on this machine" in out
+
+
+def _moe_state_gb(out: str) -> float:
+    m = re.search(r"note: trainer model state per GPU: .* = ([\d.]+) GB of", out)
+    assert m, out
+    return float(m[1])
+
+
+def test_expert_parallelism_splits_the_trainer_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    """Smaller EP holds more experts per GPU; 30B of experts on one EP rank do not fit 80 GB."""
+    base = [str(ROOT / "configs/train_qwen3_30b_a3b.yaml"), "--dry-run", "--nodes", "16", "--gpus-per-node", "8"]
+    state = {}
+    for ep in (8, 4, 2):
+        rc, out = _dry([*base, f"parallel.ep={ep}"], capsys)
+        state[ep] = _moe_state_gb(out)
+    assert state[2] > state[4] > state[8]
+    # 1.54B non-expert parameters over TP 2 with Adam over DP 16, 28.99B expert parameters over EP 8
+    # with Adam over the 4 expert data-parallel ranks: 0.77 * (6 + 12/16) + 3.62 * (6 + 12/4) GB
+    assert state[8] == pytest.approx(1.5425 / 2 * (6 + 12 / 16) + 28.991 / 8 * (6 + 12 / 4), abs=0.1)
+    rc, out = _dry([*base, "parallel.ep=1", "parallel.etp=1"], capsys)
+    assert rc == 1 and "FAILED: model too large for the trainer" in out and "raise parallel.tp/pp/ep" in out
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["parallel.ep=3"], "parallel.ep (3) does not divide the model's 128 experts (num_experts)"),
+    (["parallel.ep=32"], "parallel.ep (32) does not divide the trainer's data-parallel size (16)"),
+    (["parallel.etp=3"], "trainer GPUs (32) are not divisible by parallel.etp * parallel.ep * parallel.pp "
+                         "(3 * 8 * 1 = 24)"),
+    (["parallel.etp=5"], "parallel.etp (5) does not divide the experts' width (moe_intermediate_size 768)"),
+    (["model.path=deepseek-r1-distill-qwen-7b"], "parallel.ep (8) / parallel.etp (1) apply to Mixture-of-Experts "
+                                                 "models; deepseek-r1-distill-qwen-7b is dense"),
+])
+def test_dry_run_refuses_bad_expert_parallelism(extra: list[str], expected: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _dry([str(ROOT / "configs/train_qwen3_30b_a3b.yaml"), "--dry-run", "--nodes", "16",
+                    "--gpus-per-node", "8", *extra], capsys)
+    assert rc == 1, out
+    assert f"FAILED: {expected}" in out, out
 
 
 def test_dry_run_eta_missing_and_invalid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
