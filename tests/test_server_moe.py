@@ -382,3 +382,45 @@ def test_interrupted_sample_keeps_each_versions_routes(moe_models, url, hf_a) ->
     got = torch.frombuffer(bytearray(kept), dtype=torch.int32).view(len(ids) - 1, NUM_LAYERS, TOP_K)
     assert torch.equal(got, want)
     assert not torch.equal(want[:cut], hf_routes(load_hf(moe_models[1]), ids)[:cut])  # A and B differ there
+
+
+def test_client_body_fields_are_sglangs_and_bad_routes_fail_the_sample(monkeypatch) -> None:
+    """The body the client sends names only ``GenerateReqInput`` fields; a MoE answer without routes
+    (an SGLang server launched without --enable-return-routed-experts) or with routes of the wrong
+    size fails the sample, naming the cause."""
+    import base64
+    import dataclasses
+
+    from sglang_receiver import io_struct
+
+    from megatron_areal.rollout.client import GenerateResult, RolloutClient
+    from megatron_areal.rollout.request import SampleError, SampleOutput
+
+    sent: list[dict[str, Any]] = []
+
+    async def request(self, method, endpoint, body=None, timeout_s=None, ok404=False):
+        sent.append(body)
+        return {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
+                                                 "output_token_logprobs": [[-1.0, 7, None]]}}
+
+    async def post() -> GenerateResult:
+        monkeypatch.setattr(RolloutClient, "_request", request)
+        async with RolloutClient("http://127.0.0.1:1") as c:
+            return await c.generate([1, 2, 3], {"max_new_tokens": 1}, rid="x", return_routed_experts=True,
+                                    routed_experts_start_len=2)
+
+    result = asyncio.run(post())
+    assert set(sent[0]) <= {f.name for f in dataclasses.fields(io_struct().GenerateReqInput)}
+    assert sent[0]["return_routed_experts"] is True and sent[0]["routed_experts_start_len"] == 2
+
+    out = SampleOutput()
+    out.extend(result, [0])
+    with pytest.raises(SampleError, match="--enable-return-routed-experts"):
+        out.extend_routes(result, 3, "http://s")
+    rows = torch.zeros(3, NUM_LAYERS, TOP_K, dtype=torch.int32)
+    result.routed_experts = base64.b64decode(base64.b64encode(rows.numpy().tobytes()))
+    out.extend_routes(result, 3, "http://s")
+    assert out.route_positions == 3
+    result.routed_experts = rows[:1].numpy().tobytes() * 2  # 2 rows for 3 positions
+    with pytest.raises(SampleError, match="for 3 positions"):
+        out.extend_routes(result, 3, "http://s")
