@@ -63,6 +63,9 @@ class OptimizerConfig:
     warmup_steps: int = 0  # optimizer steps (each training step makes ppo.n_minibatches of them)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # decays to min_lr at the last step
     distributed: bool = True  # Megatron's distributed optimizer (shards state across DP)
+    # how bf16 weights follow their fp32 master after each step: nearest (Megatron's), or stochastic,
+    # whose expected value is the master, so small lr steps reach the policy (actor/bf16_rounding.py)
+    bf16_rounding: Literal["nearest", "stochastic"] = "nearest"
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""

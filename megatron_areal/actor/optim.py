@@ -15,6 +15,7 @@ from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_areal.actor.bf16_rounding import use_stochastic_rounding
 from megatron_areal.actor.config import OptimizerConfig
 from megatron_areal.actor.parallel import ParallelGroups
 
@@ -48,6 +49,8 @@ def build_train_state(chunks: list[GPTModel], opt: OptimizerConfig, groups: Para
         adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=opt.distributed)
     optimizer = get_megatron_optimizer(mcfg, model, use_gloo_process_groups=groups.backend != "gloo")
+    if opt.bf16_rounding == "stochastic" and dtype == torch.bfloat16:
+        use_stochastic_rounding(optimizer, seed=torch.initial_seed())
     steps = max(total_steps, 1)
     warmup = min(opt.warmup_steps, steps - 1) if steps > 1 else 0
     scheduler = OptimizerParamScheduler(
