@@ -424,3 +424,22 @@ def test_client_body_fields_are_sglangs_and_bad_routes_fail_the_sample(monkeypat
     result.routed_experts = rows[:1].numpy().tobytes() * 2  # 2 rows for 3 positions
     with pytest.raises(SampleError, match="for 3 positions"):
         out.extend_routes(result, 3, "http://s")
+
+
+def test_sglang_servers_are_launched_to_return_routes(tmp_path: Path) -> None:
+    """With rollout.return_routed_experts the SGLang command line enables the capture (SGLang 0.5.23
+    answers no routes without it); server.extra_args still come last."""
+    from megatron_areal.config import load_config
+    from megatron_areal.launch.commands import server_command
+    from megatron_areal.launch.plan import ServerSlot
+
+    root = Path(__file__).resolve().parents[1]
+    slot = ServerSlot(id="n0-0", node="n0", addr="127.0.0.1", port=31000, gpus=(0,))
+
+    def command(*overrides: str) -> list[str]:
+        cfg = load_config(root / "configs/train_tiny.yaml", ["server.engine=sglang", *overrides])
+        return server_command(slot, cfg, "/models/moe", tmp_path)
+
+    assert "--enable-return-routed-experts" not in command()
+    cmd = command("rollout.return_routed_experts=true", 'server.extra_args=["--log-level", "debug"]')
+    assert cmd[-3:] == ["--enable-return-routed-experts", "--log-level", "debug"]

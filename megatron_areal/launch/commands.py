@@ -34,10 +34,13 @@ def context_length(cfg: Config) -> int:
 
 
 def sglang_spec(slot: ServerSlot, cfg: Config, model_dir: str) -> SGLangLaunch:
-    """The SGLang server of one slot of the plan."""
+    """The SGLang server of one slot of the plan; ``server.extra_args`` last, after
+    ``--enable-return-routed-experts`` when the rollout asks for routed experts."""
+    routes = ("--enable-return-routed-experts",) if cfg.rollout.return_routed_experts else ()
     return SGLangLaunch(model_path=model_dir, port=slot.port, host=slot.addr, tp=cfg.server.tp,
                         mem_fraction=cfg.server.mem_fraction, api_key=cfg.server.api_key, seed=cfg.train.seed,
-                        context_length=context_length(cfg), max_running=cfg.server.max_running)
+                        context_length=context_length(cfg), max_running=cfg.server.max_running,
+                        extra_args=(*routes, *cfg.server.extra_args))
 
 
 def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path) -> list[str]:
