@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_moe import make_tiny_qwen3_moe
+from tiny_moe import hf_logprobs, make_tiny_qwen3_moe, router_margin
 
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import load_arch
@@ -71,3 +71,258 @@ def test_layouts_the_experts_cannot_split_into_are_refused(tiny_moe, tiny_qwen3)
         mapping.check_ep(arch, 2, 3)
     with pytest.raises(ValueError, match="parallel.ep=2 .* qwen3 has no experts"):
         mapping.check_ep(load_arch(tiny_qwen3), 2, 1)
+
+
+# ---------------------------------------------------------------- multi-rank: one four-rank pool for every layout
+
+TOLERANCE = 1e-4
+LAYOUTS = [  # (tp, pp, ep, etp); the four-rank world makes the rest data parallel
+    (1, 1, 2, 1),
+    (2, 1, 2, 1),
+    (1, 2, 2, 1),
+    (2, 1, 2, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from megatron_areal.convert.spawn import WorkerPool
+
+    with WorkerPool(4, timeout_s=900) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def moe_no_norm(tmp_path_factory):
+    """The other routing: the chosen experts keep their share of the full softmax."""
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "topk_raw", norm_topk_prob=False, seed=1)
+
+
+def _sequences(n_tokens: list[int], seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(130) for _ in range(n)] for n in n_tokens]
+
+
+def _max_diff(got: list[list[float]], ref: list[torch.Tensor]) -> float:
+    assert [len(g) for g in got] == [len(r) for r in ref]
+    return max((torch.tensor(g) - r).abs().max().item() for g, r in zip(got, ref, strict=True))
+
+
+def test_logprobs_match_transformers_at_expert_parallel_layouts(tiny_moe, moe_no_norm, pool):
+    from megatron_areal.convert.score import score
+
+    sequences = _sequences([2, 23, 9, 31, 16])
+    worst = {}
+    for hf_dir, layouts in ((tiny_moe, LAYOUTS), (moe_no_norm, LAYOUTS[:3])):
+        assert router_margin(hf_dir, sequences) > 1e-3  # no near-tie that float noise could flip
+        ref = hf_logprobs(hf_dir, sequences)
+        for tp, pp, ep, etp in layouts:
+            got = score("hf", hf_dir, sequences, tp=tp, pp=pp, ep=ep, etp=etp, pool=pool)
+            worst[hf_dir.name, tp, pp, ep, etp] = _max_diff(got, ref)
+    print("max |logprob - transformers| per layout:", worst)
+    assert max(worst.values()) <= TOLERANCE, worst
+
+
+def export_stage(hf_dir: str, tp: int, pp: int, ep: int, etp: int) -> dict[str, torch.Tensor]:
+    """Worker: load HF weights into this rank's stage and export them back, gathered over TP, EP and expert TP."""
+    from megatron_areal.actor.model import build_model
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.model.weights import export_hf_weights, load_hf_weights
+
+    arch = load_arch(hf_dir)
+    g = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=etp)
+    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=g.pp_rank, tp_rank=g.tp_rank, ep=ep, etp=etp, etp_rank=g.etp_rank)
+    load_hf_weights(chunks, hf_dir, arch, g.tp_rank, g.tp, etp_rank=g.etp_rank, etp_size=g.etp)
+    out = {n: t.clone() for n, t in export_hf_weights(chunks, arch, g.tp_group, g.tp, etp_group=g.etp_group,
+                                                       etp_size=g.etp, ep_group=g.ep_group, ep_size=g.ep)}
+    teardown_parallel()
+    return out
+
+
+def test_live_model_export_gives_back_every_expert(tiny_moe, pool):
+    ref = load_file(str(tiny_moe / "model.safetensors"))
+    for rank, exported in enumerate(pool.run(export_stage, str(tiny_moe), 2, 1, 2, 2)):
+        assert set(exported) == set(ref), rank
+        for name, t in exported.items():
+            assert torch.equal(t, ref[name]), (rank, name)
+
+
+def test_checkpoint_round_trip_and_load_at_other_layouts(tiny_moe, pool, tmp_path):
+    from megatron_areal.convert.convert import hf_to_mcore, mcore_to_hf
+    from megatron_areal.convert.score import score
+
+    ckpt = hf_to_mcore(tiny_moe, tmp_path / "ckpt", ep=2, pool=pool)  # saved at EP2 (x DP4)
+    back = mcore_to_hf(ckpt, tmp_path / "hf")
+    a, b = load_file(str(tiny_moe / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+    sequences = _sequences([12, 7, 20], seed=3)
+    ref = hf_logprobs(tiny_moe, sequences)
+    for tp, pp, ep in ((2, 1, 1), (1, 2, 2), (1, 1, 4)):  # EP2 -> EP1 x TP2, PP2 x EP2, EP4
+        got = score("ckpt", ckpt, sequences, tp=tp, pp=pp, ep=ep, pool=pool)
+        assert _max_diff(got, ref) <= TOLERANCE, (tp, pp, ep)
+
+
+# ---------------------------------------------------------------- the actor: decoupled-PPO steps at EP layouts
+
+
+def _trajectories(n: int = 8) -> list:
+    from megatron_areal.rollout.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5, 9), (3, 20), (7, 4), (4, 13), (6, 6), (2, 27), (8, 3), (5, 11)][:n]
+    return [Trajectory(prompt_ids=torch.randint(0, 130, (p,), generator=g).tolist(),
+                       output_ids=torch.randint(0, 130, (o,), generator=g).tolist(),
+                       output_logprobs=(-4.9 + 0.3 * torch.randn(o, generator=g)).tolist(),
+                       group_id=i // 4, reward=float(i % 3 == 0)) for i, (p, o) in enumerate(shapes)]
+
+
+def case_actor(hf_dir: str, tp: int, pp: int, ep: int, n_trajectories: int = 8, n_minibatches: int = 2,
+               aux_coef: float | None = None) -> dict:
+    """Worker: logprobs, one decoupled-PPO update, logprobs again, at one layout (distributed optimizer)."""
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.model.weights import load_hf_weights
+
+    arch = load_arch(hf_dir)
+    g = init_parallel(tp, pp, seed=3, backend="gloo", ep=ep)
+    actor = Actor(arch, ModelConfig(max_seq_len=40, dtype="float32", router_aux_loss_coef=aux_coef),
+                  ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1, max_tokens_per_mb=48),
+                  OptimizerConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0, distributed=True),
+                  PPOConfig(n_minibatches=n_minibatches, behav_imp_weight_cap=5.0), g, seed=3, total_steps=4)
+    load_hf_weights(actor.model, hf_dir, arch, g.tp_rank, g.tp, optimizer=actor.optimizer, etp_rank=g.etp_rank,
+                    etp_size=g.etp)
+    trajs = _trajectories(n_trajectories)
+    seqs = [t.input_ids for t in trajs]
+    before = actor.compute_logprobs(seqs)
+    stats = actor.ppo_update(trajs)
+    after = actor.compute_logprobs(seqs)
+    teardown_parallel()
+    return {"before": [x.tolist() for x in before], "after": [x.tolist() for x in after], "stats": stats}
+
+
+def _diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+
+
+@pytest.mark.slow
+def test_ppo_step_at_expert_parallel_layouts_matches_one_expert_rank(tiny_moe, pool):
+
+    trajs = _trajectories()
+    ref = pool.run(case_actor, str(tiny_moe), 1, 1, 1)[0]  # EP1 (x DP4): the reference layout
+    hf = hf_logprobs(tiny_moe, [t.input_ids for t in trajs])
+    assert _max_diff(ref["before"], hf) <= TOLERANCE
+    # the update moved the policy towards the advantages: the loss tokens' advantage-weighted logprob rose
+    from megatron_areal.actor.ppo_batch import sequence_advantages
+
+    adv = sequence_advantages(trajs, "grpo")
+    gain = sum(a * (sum(y) - sum(x)) for a, x, y in zip(adv, ref["before"], ref["after"]))
+    assert gain > 0 and _diff(ref["after"], ref["before"]) > 1e-3
+    assert ref["stats"]["moe_aux_loss"] > 0
+    worst = {}
+    for tp, pp, ep, _ in LAYOUTS[:3]:
+        got = pool.run(case_actor, str(tiny_moe), tp, pp, ep)
+        for rank, r in enumerate(got):
+            worst[tp, pp, ep] = max(worst.get((tp, pp, ep), 0.0), _diff(r["before"], ref["before"]),
+                                    _diff(r["after"], ref["after"]))
+            for key in ("loss", "grad_norm", "clip_fraction", "moe_aux_loss", "tokens"):
+                assert r["stats"][key] == pytest.approx(ref["stats"][key], rel=1e-4, abs=1e-6), (tp, pp, ep, rank, key)
+    print("max |logprob - EP1| before/after the update:", worst)
+    assert max(worst.values()) <= 2e-5, worst
+
+
+def test_aux_loss_is_the_switch_loss_of_the_routers(tiny_moe, pool):
+    """One sequence per rank in one micro-batch: the reported load-balancing loss equals
+    E * sum_e f_e * P_e (f: fraction of routed slots, P: mean router probability) computed from
+    transformers' router logits, averaged over layers and ranks."""
+    from transformers import AutoModelForCausalLM
+
+    out = pool.run(case_actor, str(tiny_moe), 1, 1, 1, n_trajectories=4, n_minibatches=1, aux_coef=0.5)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
+    arch = load_arch(tiny_moe)
+    per_seq = []
+    with torch.no_grad():
+        for t in _trajectories(4):
+            logits = model(torch.tensor([t.input_ids]), output_router_logits=True).router_logits
+            layers = []
+            for lg in logits:
+                probs = torch.softmax(lg.float(), dim=-1)
+                chosen = torch.zeros_like(probs).scatter(1, probs.topk(arch.num_experts_per_tok, dim=-1).indices, 1.0)
+                n = probs.shape[0]
+                f = chosen.sum(0) / (n * arch.num_experts_per_tok)
+                layers.append(float(arch.num_experts * (f * probs.sum(0) / n).sum()))
+            per_seq.append(sum(layers) / len(layers))
+    want = sum(per_seq) / len(per_seq)
+    assert out[0]["stats"]["moe_aux_loss"] == pytest.approx(want, rel=1e-5)
+
+
+# ---------------------------------------------------------------- routing replay (R3) and the routing mismatch
+
+
+def case_routes(hf_dir: str, tp: int, pp: int, ep: int, routes: list[bytes]) -> dict:
+    """Worker: logprobs with the given routes replayed; the mismatch measured without replay; then PPO
+    updates without and with replay."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.model.weights import load_hf_weights
+
+    arch = load_arch(hf_dir)
+    g = init_parallel(tp, pp, seed=3, backend="gloo", ep=ep)
+    actor = Actor(arch, ModelConfig(max_seq_len=40, dtype="float32"),
+                  ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1, max_tokens_per_mb=48),
+                  OptimizerConfig(lr=1e-3, adam_eps=1e-4, distributed=True), PPOConfig(n_minibatches=2), g,
+                  seed=3, total_steps=4)
+    load_hf_weights(actor.model, hf_dir, arch, g.tp_rank, g.tp, optimizer=actor.optimizer, etp_rank=g.etp_rank,
+                    etp_size=g.etp)
+    trajs = [dataclasses.replace(t, routed_experts=r) for t, r in zip(_trajectories(len(routes)), routes)]
+    seqs = [t.input_ids for t in trajs]
+    rts = actor._rollout_routes(trajs)
+    replayed = actor.compute_logprobs(seqs, routes=rts, route_hook=actor._route_hook(replay=True))
+    hook = actor._route_hook(replay=False)
+    free = actor.compute_logprobs(seqs, routes=rts, route_hook=hook)
+    out = {"replayed": [x.tolist() for x in replayed], "free": [x.tolist() for x in free],
+           "mismatch": hook.mismatch(dist.group.WORLD)}
+    out["stats_off"] = actor.ppo_update(trajs)
+    actor.ppo_cfg.routing_replay = True
+    out["stats_on"] = actor.ppo_update(trajs)
+    teardown_parallel()
+    return out
+
+
+def test_routing_replay_follows_the_rollout_routes(tiny_moe, pool):
+    """Routes of a 'rollout' whose router weights differ slightly: replayed, the trainer's logprobs are
+    transformers' with those routes forced; unreplayed, the mismatch is the fraction of differing
+    token-layer expert sets between the two routers."""
+    from tiny_moe import hf_logprobs_with_routes, hf_routes
+
+    trajs = _trajectories(4)
+    rollout = [hf_routes(tiny_moe, t.input_ids, router_noise=0.3, seed=i)[:-1] for i, t in enumerate(trajs)]
+    own = [hf_routes(tiny_moe, t.input_ids)[:-1] for t in trajs]
+    differing = sum(int((a.sort(-1).values != b.sort(-1).values).any(-1).sum()) for a, b in zip(rollout, own))
+    total = sum(a.shape[0] * a.shape[1] for a in own)
+    assert 0 < differing < total
+    forced = [hf_logprobs_with_routes(tiny_moe, t.input_ids, torch.cat([r, o[-1:]]))
+              for t, r, o in zip(trajs, rollout, [hf_routes(tiny_moe, t.input_ids) for t in trajs])]
+    free = hf_logprobs(tiny_moe, [t.input_ids for t in trajs])
+    assert max((a - b).abs().max().item() for a, b in zip(forced, free)) > 1e-3  # the routes matter
+    routes = [r.to(torch.int32).contiguous().numpy().tobytes() for r in rollout]
+    worst = {}
+    for tp, pp, ep in ((1, 1, 2), (2, 1, 2)):
+        for rank, got in enumerate(pool.run(case_routes, str(tiny_moe), tp, pp, ep, routes)):
+            worst[tp, pp, ep] = max(_max_diff(got["replayed"], forced), _max_diff(got["free"], free))
+            assert got["mismatch"] == pytest.approx(differing / total), (tp, ep, rank)
+            assert got["stats_off"]["routing_mismatch"] == pytest.approx(differing / total)
+            assert "routing_mismatch" not in got["stats_on"]
+    print("max |logprob - transformers| with replayed / free routes:", worst)
+    assert max(worst.values()) <= TOLERANCE, worst

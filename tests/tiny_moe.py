@@ -71,3 +71,43 @@ def router_margin(hf_dir: str | Path, sequences: list[list[int]]) -> float:
             top = torch.topk(logits.float(), k + 1, dim=-1).values
             gaps.append((top[:, k - 1] - top[:, k]).min())
     return float(torch.stack(gaps).min())
+
+
+@torch.no_grad()
+def hf_routes(hf_dir: str | Path, sequence: list[int], router_noise: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """The experts transformers routes each position to, ``[L, layers, top_k]``; ``router_noise``
+    perturbs the router weights first (a rollout engine whose numerics differ)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        w = layer.mlp.gate.weight
+        w.add_(router_noise * torch.randn(w.shape, generator=g))
+    k = model.config.num_experts_per_tok
+    logits = model(torch.tensor([sequence]), output_router_logits=True).router_logits
+    return torch.stack([lg.topk(k, dim=-1).indices for lg in logits], dim=1)
+
+
+@torch.no_grad()
+def hf_logprobs_with_routes(hf_dir: str | Path, sequence: list[int], routes: torch.Tensor) -> torch.Tensor:
+    """transformers' logprobs when every router must pick the given experts ``[L, layers, top_k]``
+    (their probabilities from its own softmax, renormalised as the config says)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for i, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+
+        def forced(hidden, gate=gate, chosen=routes[:, i]):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            top = probs.gather(1, chosen)
+            if gate.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), chosen
+
+        gate.forward = forced
+    ids = torch.tensor([sequence])
+    logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    return logp.gather(-1, ids[0, 1:, None])[:, 0]

@@ -27,6 +27,7 @@ from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelCo
 from megatron_areal.actor.engine import run_microbatches
 from megatron_areal.actor.microbatch import PackedMicroBatch, pack
 from megatron_areal.actor.model import build_model, check_layout, resolve_dtype
+from megatron_areal.actor.moe_metrics import take_aux_loss
 from megatron_areal.actor.optim import build_train_state, current_lr
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.actor.ppo_batch import (
@@ -36,6 +37,7 @@ from megatron_areal.actor.ppo_batch import (
     sequence_advantages,
     token_advantages,
 )
+from megatron_areal.actor.routing_replay import RouteHook, decode_routes, pack_routes
 from megatron_areal.algorithm import decoupled_ppo_loss, kl_penalty
 from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.algorithm.offpolicy import rollout_mismatch_metrics
@@ -53,16 +55,22 @@ class Actor:
     def __init__(self, arch: ModelArch, model_cfg: ModelConfig, parallel_cfg: ParallelConfig,
                  optimizer_cfg: OptimizerConfig, ppo_cfg: PPOConfig, groups: ParallelGroups, *,
                  seed: int = 1, total_steps: int = 1000) -> None:
-        if (parallel_cfg.tp, parallel_cfg.pp) != (groups.tp, groups.pp):
-            raise ValueError(f"parallel config tp={parallel_cfg.tp} pp={parallel_cfg.pp} does not match the "
-                             f"initialised groups tp={groups.tp} pp={groups.pp}")
-        check_layout(arch, groups.tp, groups.pp)
+        wanted = (parallel_cfg.tp, parallel_cfg.pp, parallel_cfg.ep, parallel_cfg.etp)
+        if wanted != (groups.tp, groups.pp, groups.ep, groups.etp):
+            raise ValueError(f"parallel config tp={parallel_cfg.tp} pp={parallel_cfg.pp} ep={parallel_cfg.ep} "
+                             f"etp={parallel_cfg.etp} does not match the initialised groups tp={groups.tp} "
+                             f"pp={groups.pp} ep={groups.ep} etp={groups.etp}")
+        check_layout(arch, groups.tp, groups.pp, groups.ep, groups.etp)
+        if arch.is_moe and groups.tp > 1 and not parallel_cfg.sequence_parallel:
+            raise ValueError(f"parallel.sequence_parallel must be true for a MoE model at parallel.tp={groups.tp}: "
+                             "megatron-core's MoE layer refuses to train tensor-parallel without it")
         self.arch, self.model_cfg, self.parallel_cfg = arch, model_cfg, parallel_cfg
         self.ppo_cfg, self.groups = ppo_cfg, groups
         self.dtype = self._dtype(model_cfg.dtype, groups)
         chunks = build_model(arch, tp=groups.tp, pp=groups.pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
                              sequence_parallel=parallel_cfg.sequence_parallel, dtype=self.dtype, seed=seed,
-                             device=groups.device, transformer_impl=model_cfg.transformer_impl)
+                             device=groups.device, transformer_impl=model_cfg.transformer_impl, ep=groups.ep,
+                             etp=groups.etp, etp_rank=groups.etp_rank, aux_loss_coef=model_cfg.router_aux_loss_coef)
         state = build_train_state(chunks, optimizer_cfg, groups, total_steps * ppo_cfg.n_minibatches)
         self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
         self._reference: list[torch.Tensor] | None = None
@@ -73,8 +81,10 @@ class Actor:
 
     # ---------------------------------------------------------------- packing
     def _plan(self, sequences: Sequence[Sequence[int]], min_microbatches: int,
-              values: dict[str, Sequence[Sequence[float]]] | None = None) -> list[PackedMicroBatch]:
-        """This DP rank's packed micro-batches (same count on every DP rank)."""
+              values: dict[str, Sequence[Sequence[float]]] | None = None,
+              routes: Sequence[torch.Tensor] | None = None) -> list[PackedMicroBatch]:
+        """This DP rank's packed micro-batches (same count on every DP rank); ``routes``: each
+        sequence's rollout experts ``[L - 1, layers, top_k]`` (MoE, routing_replay.py)."""
         lengths = [len(s) for s in sequences]
         for i, n in enumerate(lengths):
             if n < 2:
@@ -82,7 +92,12 @@ class Actor:
         plan = allocate_microbatches(lengths, self.parallel_cfg.max_tokens_per_mb, self.groups.dp,
                                      min_microbatches, self.parallel_cfg.packing, self.model_cfg.max_seq_len)
         multiple = self.groups.tp if self.parallel_cfg.sequence_parallel else 1
-        return [pack(sequences, ids, multiple, values) for ids in plan[self.groups.dp_rank]]
+        batches = [pack(sequences, ids, multiple, values) for ids in plan[self.groups.dp_rank]]
+        if routes is not None:
+            for mb in batches:
+                mb.routes = pack_routes(routes, mb.seq_ids, mb.offsets, mb.n_tokens, self.arch.num_layers,
+                                        self.arch.num_experts_per_tok)
+        return batches
 
     def _gather(self, sequences: Sequence[Sequence[int]], batches: list[PackedMicroBatch],
                 reports: list[dict[str, Any]], keys: tuple[str, ...]) -> list[list[torch.Tensor]]:
@@ -105,11 +120,15 @@ class Actor:
     # ---------------------------------------------------------------- logprobs
     @torch.no_grad()
     def compute_logprobs(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0,
-                         with_entropy: bool = False) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
-        """Logprob of token t given tokens < t (L - 1 values per sequence), on every rank."""
+                         with_entropy: bool = False, *, routes: Sequence[torch.Tensor] | None = None,
+                         route_hook: RouteHook | None = None) -> list[torch.Tensor] | tuple[list[torch.Tensor], ...]:
+        """Logprob of token t given tokens < t (L - 1 values per sequence), on every rank.
+
+        MoE: ``routes`` and ``route_hook`` replay (or record and compare) the rollout's experts.
+        """
         if not sequences:
             return ([], []) if with_entropy else []
-        batches = self._plan(sequences, 1)
+        batches = self._plan(sequences, 1, routes=routes)
 
         def collect(mb: PackedMicroBatch, lp: torch.Tensor, ent: torch.Tensor):
             return lp.sum() * 0.0, {"logprobs": lp.detach().float(), "entropy": ent.detach().float()}
@@ -118,7 +137,8 @@ class Actor:
             chunk.eval()
         try:
             reports = run_microbatches(self.model, batches, self.groups, vocab_size=self.arch.vocab_size,
-                                       temperature=temperature, loss_fn=collect, forward_only=True)
+                                       temperature=temperature, loss_fn=collect, forward_only=True,
+                                       route_hook=route_hook if routes is not None else None)
         finally:
             for chunk in self.model:
                 chunk.train()
@@ -131,7 +151,8 @@ class Actor:
         self._reference = [p.detach().clone() for c in self.model for p in c.parameters()]
 
     @torch.no_grad()
-    def _reference_logprobs(self, sequences: Sequence[Sequence[int]], temperature: float) -> list[torch.Tensor]:
+    def _reference_logprobs(self, sequences: Sequence[Sequence[int]], temperature: float,
+                            **routing: Any) -> list[torch.Tensor]:
         if self._reference is None:
             self.set_reference()
         params = [p for c in self.model for p in c.parameters()]
@@ -139,7 +160,7 @@ class Actor:
         for p, r in zip(params, self._reference):
             p.copy_(r)
         try:
-            return self.compute_logprobs(sequences, temperature)
+            return self.compute_logprobs(sequences, temperature, **routing)
         finally:
             for p, c in zip(params, current):
                 p.copy_(c)
@@ -155,7 +176,9 @@ class Actor:
         ``importance_weight_max``, ``tokens`` (loss tokens), ``dropped_tokens``, ``lr`` (after the
         update), ``n_microbatches`` (per DP rank) and ``tokens_per_s`` (all tokens over the wall time
         of the whole update, proximal recompute included), ``truncated_tokens`` and
-        ``dropped_sequences`` (``ppo:`` corrections, algorithm/offpolicy.py).
+        ``dropped_sequences`` (``ppo:`` corrections, algorithm/offpolicy.py); MoE models with the
+        router's load-balancing loss on add ``moe_aux_loss`` (its value without the coefficient,
+        mean over layers and micro-batches, actor/moe_metrics.py).
 
         Mismatch metrics (algorithm/offpolicy.py ``rollout_mismatch_metrics``): the trainer's
         logprobs under the weights it holds at the start of the update (pi_prox; with naive PPO and
@@ -178,23 +201,33 @@ class Actor:
             "behaviour": behaviour,
             "advantages": token_advantages(trajectories, sequence_advantages(trajectories, cfg.advantage),
                                            cfg.normalize_batch_advantage)}
+        routes = self._rollout_routes(trajectories)
+        record_pending = True  # the routing mismatch is measured on the first forward with pi_prox's weights
+        replay = self._route_hook(replay=True) if routes is not None and cfg.routing_replay else None
+        record = self._route_hook(replay=False) if routes is not None and not cfg.routing_replay else None
         if not cfg.decoupled:
             values["proximal"] = behaviour
         elif cfg.n_minibatches > 1:
-            values["proximal"] = [lp.tolist() for lp in self.compute_logprobs(sequences, temperature)]
+            values["proximal"] = [lp.tolist() for lp in self.compute_logprobs(
+                sequences, temperature, routes=routes, route_hook=replay or record)]
+            record_pending = False
+        if cfg.kl_coef > 0:
+            values["reference"] = [lp.tolist() for lp in self._reference_logprobs(
+                sequences, temperature, routes=routes, route_hook=replay)]
         # else: one optimizer step per batch, so the proximal policy is the very weights of the
         # training forward; its detached logprobs are pi_prox exactly and no extra forward is needed.
-        if cfg.kl_coef > 0:
-            values["reference"] = [lp.tolist() for lp in self._reference_logprobs(sequences, temperature)]
         lengths = [len(s) for s in sequences]
         stats: list[dict[str, float]] = []
         trainer_lp: dict[int, torch.Tensor] = {}
         if "proximal" in values and cfg.decoupled:
             trainer_lp = {i: torch.tensor(lp, dtype=torch.float32) for i, lp in enumerate(values["proximal"])}
         for members in kk_partition(lengths, cfg.n_minibatches):
+            hook = replay or (record if record_pending else None)
+            record_pending = False
             step_stats, gathered = self._minibatch_step(
                 [sequences[i] for i in members], {k: [v[i] for i in members] for k, v in values.items()},
-                temperature, collect_logprobs=not trainer_lp)
+                temperature, collect_logprobs=not trainer_lp,
+                routes=[routes[i] for i in members] if hook is not None else None, route_hook=hook)
             stats.append(step_stats)
             if gathered is not None:
                 trainer_lp = dict(zip(members, gathered))
@@ -205,7 +238,32 @@ class Actor:
                    dropped_sequences=sum(s["dropped_sequences"] for s in stats),
                    lr=current_lr(self.optimizer), tokens_per_s=sum(lengths) / (time.perf_counter() - start))
         out.update(self._mismatch(trajectories, trainer_lp, version))
+        if record is not None:
+            mismatch = record.mismatch(dist.group.WORLD)
+            if mismatch is not None:
+                out["routing_mismatch"] = mismatch
         return out
+
+    def _rollout_routes(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor] | None:
+        """Each trajectory's rollout experts ``[L - 1, layers, top_k]``; None without them (dense
+        models, or servers not asked for them) unless ``ppo.routing_replay`` needs them."""
+        if not self.arch.is_moe:
+            if self.ppo_cfg.routing_replay:
+                raise ValueError(f"ppo.routing_replay: {self.arch.model_type} is not a MoE model")
+            return None
+        missing = [i for i, t in enumerate(trajectories) if t.routed_experts is None]
+        if missing:
+            if self.ppo_cfg.routing_replay:
+                raise ValueError(f"ppo.routing_replay: trajectory {missing[0]} has no routed_experts "
+                                 "(set rollout.return_routed_experts: true)")
+            return None
+        return [decode_routes(t.routed_experts, len(t.input_ids) - 1, self.arch.num_layers,
+                              self.arch.num_experts_per_tok, where=f"trajectory {i}")
+                for i, t in enumerate(trajectories)]
+
+    def _route_hook(self, replay: bool) -> RouteHook:
+        return RouteHook(replay, self.arch.num_experts_per_tok, self.groups.tp_rank, self.groups.tp,
+                         self.parallel_cfg.sequence_parallel)
 
     @staticmethod
     def _mismatch(trajectories: Sequence[Trajectory], trainer_lp: dict[int, torch.Tensor],
@@ -221,12 +279,13 @@ class Actor:
 
     def _minibatch_step(self, sequences: list[list[int]], values: dict[str, Sequence[Sequence[float]]],
                         temperature: float, collect_logprobs: bool = False,
+                        routes: Sequence[torch.Tensor] | None = None, route_hook: RouteHook | None = None,
                         ) -> tuple[dict[str, float], list[torch.Tensor] | None]:
         """One optimizer step; with ``collect_logprobs`` also the detached training-forward logprobs
         of every sequence (the weights before this step), on every rank."""
         cfg, groups = self.ppo_cfg, self.groups
         n_loss_tokens = max(sum(sum(m) for m in values["loss_mask"]), 1.0)
-        batches = self._plan(sequences, 2 * groups.pp if groups.pp > 1 else 1, values)
+        batches = self._plan(sequences, 2 * groups.pp if groups.pp > 1 else 1, values, routes)
         scale = len(batches) * groups.dp  # undo the schedule's 1/M and DDP's 1/D (module docstring)
 
         def ppo_loss(mb: PackedMicroBatch, lp: torch.Tensor, ent: torch.Tensor):
@@ -266,7 +325,7 @@ class Actor:
         self.optimizer.zero_grad()
         reports = run_microbatches(self.model, batches, groups,
                                    vocab_size=self.arch.vocab_size, temperature=temperature, loss_fn=ppo_loss,
-                                   forward_only=False)
+                                   forward_only=False, route_hook=route_hook if routes is not None else None)
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         reducer = StatsReducer()
@@ -276,5 +335,9 @@ class Actor:
                              groups.device)
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         out["n_microbatches"] = float(len(batches))
+        if self.arch.is_moe:
+            aux = take_aux_loss(groups, len(batches))
+            if aux is not None:
+                out["moe_aux_loss"] = aux
         gathered = self._gather(sequences, batches, reports, ("trainer_logprobs",))[0] if collect_logprobs else None
         return out, gathered

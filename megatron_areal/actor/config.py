@@ -19,10 +19,15 @@ class ModelConfig:
     # the local spec on CPU. local: Megatron's local spec everywhere (no sequence parallelism on GPUs).
     # transformer_engine: TE, and refuse to run without CUDA.
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    # MoE models: coefficient of the router's load-balancing loss; None takes the HF config's
+    # router_aux_loss_coef, 0 turns the loss off
+    router_aux_loss_coef: float | None = None
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.max_seq_len > 0, "max_seq_len", "must be positive")
+        require(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
+                "must be >= 0 (or null for the model's own)")
 
 
 @dataclass(kw_only=True)

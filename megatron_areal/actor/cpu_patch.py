@@ -104,7 +104,28 @@ SOURCE_EDITS: tuple[SourceEdit, ...] = (
     SourceEdit("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",
                "if torch.is_tensor(tensor) and tensor.is_cuda:", "if torch.is_tensor(tensor):",
                "the all-to-all split sizes become host numpy arrays as on CUDA"),
+    # With expert tensor parallelism the dispatcher all-gathers differently sized token blocks;
+    # gloo's all_gather refuses tensors of different sizes ("invalid tensor size at index 1").
+    SourceEdit("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
+               "torch.distributed.all_gather(output_tensor_list, input_, group=group)",
+               "_host_all_gather_uneven(output_tensor_list, input_, group=group)",
+               "gloo gathers equal blocks: pad to the largest, then cut"),
 )
+# Names that edited sources call, injected into the edited function's module.
+_INJECTED = {"megatron.core.tensor_parallel.mappings": "_host_all_gather_uneven"}
+
+
+def _host_all_gather_uneven(outputs: list[torch.Tensor], input_: torch.Tensor, group: Any = None) -> None:
+    """``all_gather`` into differently sized ``outputs`` (first dimension) over gloo."""
+    import torch.distributed as dist
+
+    longest = max(o.shape[0] for o in outputs)
+    padded = input_.new_zeros((longest, *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    blocks = [torch.empty_like(padded) for _ in outputs]
+    dist.all_gather(blocks, padded.contiguous(), group=group)
+    for out, block in zip(outputs, blocks, strict=True):
+        out.copy_(block[: out.shape[0]])
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "linspace", "rand", "randn",
               "randint", "randperm", "empty_like", "zeros_like", "ones_like", "full_like", "empty_strided")
@@ -190,8 +211,9 @@ class CpuPatch:
         return {k: v for k, v in sorted(self.calls.items()) if not only_megatron or "megatron/core" in k}
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
-        # For classes keep the class's own entry (or _INHERITED) so removal restores inheritance.
-        original = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)
+        # For classes keep the class's own entry (or _INHERITED) so removal restores inheritance;
+        # a name the owner lacked (_INHERITED too) is deleted again on removal.
+        original = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name, _INHERITED)
         self._originals.append((owner, name, original))
         setattr(owner, name, value)
 
@@ -257,6 +279,9 @@ class CpuPatch:
         self.wrapped += [f"{_TP_RANDOM}._get_cuda_rng_state", f"{_TP_RANDOM}._set_cuda_rng_state"]
 
     def _apply_edits(self, edits: tuple[SourceEdit, ...]) -> None:
+        for module, name in _INJECTED.items():
+            if any(e.module == module for e in edits):
+                self._set(importlib.import_module(module), name, globals()[name])
         by_site: dict[str, list[SourceEdit]] = collections.defaultdict(list)
         for edit in edits:
             by_site[edit.site].append(edit)

@@ -31,8 +31,12 @@ def _on_last_stage(mb: PackedMicroBatch, groups: ParallelGroups, vocab_size: int
 
 def run_microbatches(model: list[torch.nn.Module], batches: list[PackedMicroBatch], groups: ParallelGroups, *,
                      vocab_size: int, temperature: float, loss_fn: LossFn,
-                     forward_only: bool) -> list[dict[str, Any]]:
-    """One pass over ``batches`` (forward, plus backward unless ``forward_only``)."""
+                     forward_only: bool, route_hook: Any = None) -> list[dict[str, Any]]:
+    """One pass over ``batches`` (forward, plus backward unless ``forward_only``).
+
+    ``route_hook`` (MoE, actor/routing_replay.py ``RouteHook``) replays or records each micro-batch's
+    expert routes around its forward.
+    """
     if not batches:
         return []
     device = groups.device
@@ -40,7 +44,11 @@ def run_microbatches(model: list[torch.nn.Module], batches: list[PackedMicroBatc
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        if route_hook is not None:
+            route_hook.before(chunk, mb.routes)
         out = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        if route_hook is not None:
+            route_hook.after(chunk, mb.routes)
         return out, functools.partial(_on_last_stage, mb, groups, vocab_size, temperature, loss_fn)
 
     schedule = get_forward_backward_func()

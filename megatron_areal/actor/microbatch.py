@@ -29,6 +29,7 @@ class PackedMicroBatch:
     offsets: list[int]
     lengths: list[int]
     values: dict[str, torch.Tensor] = field(default_factory=dict)  # per-position [T] tensors
+    routes: torch.Tensor | None = None  # MoE: rollout's experts per position [T, layers, top_k] (routing_replay.py)
 
     @property
     def n_real_tokens(self) -> int:
@@ -50,7 +51,7 @@ class PackedMicroBatch:
         moved = {k: v.to(device) for k, v in self.values.items()}
         return PackedMicroBatch(self.tokens.to(device), self.position_ids.to(device), self.targets.to(device),
                                 self.target_mask.to(device), self.cu_seqlens.to(device), self.max_seqlen,
-                                self.seq_ids, self.offsets, self.lengths, moved)
+                                self.seq_ids, self.offsets, self.lengths, moved, self.routes)
 
 
 def pack(sequences: Sequence[Sequence[int]], seq_ids: Sequence[int], pad_to_multiple: int = 1,

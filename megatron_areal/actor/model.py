@@ -1,4 +1,4 @@
-"""Build Megatron ``GPTModel`` chunks for the Llama / Qwen2 / Qwen3 dense families.
+"""Build Megatron ``GPTModel`` chunks for the Llama / Qwen2 / Qwen3 dense families and Qwen3-MoE.
 
 ``build_model`` returns the chunk(s) of this rank's pipeline stage (one chunk: no virtual
 pipeline). On CPU, and on GPU with ``model.transformer_impl=local``, the local spec is used with
@@ -27,11 +27,22 @@ dict; they carry no weights. ``linear_qkv`` rows are grouped per KV head: for ea
 whole groups. ``linear_fc1`` on each TP rank is ``[gate_shard; up_shard]``. With the TE spec the
 input/pre-MLP norms are fused into the next linear and are named
 ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` instead.
+
+A Qwen3-MoE layer replaces ``mlp.linear_fc1/2`` by Megatron's MoE layer with SequentialMLP experts
+(one MLP per local expert; grouped GEMMs need TE or CUDA kernels) and the all-to-all dispatcher:
+
+    decoder.layers.L.mlp.router.weight                                 [num_experts, hidden]
+    decoder.layers.L.mlp.experts.local_experts.J.linear_fc1.weight     [2 * moe_ffn / etp, hidden]
+    decoder.layers.L.mlp.experts.local_experts.J.linear_fc2.weight     [hidden, moe_ffn / etp]
+
+``J`` counts the ``num_experts / ep`` experts of this expert-parallel rank; its first expert's global
+index is ``ep_rank * num_experts / ep``. The router is a softmax over all experts; HF's
+``norm_topk_prob`` (renormalise the chosen top-k) is Megatron's softmax after top-k
+(``moe_router_pre_softmax=False``), without it the top-k of the full softmax (``True``).
 """
 from __future__ import annotations
 
 import logging
-import re
 import zlib
 
 import torch
@@ -42,8 +53,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_areal.actor import packed_rope
 from megatron_areal.actor.attention import PackedCoreAttention
+from megatron_areal.actor.moe_compat import ensure_router_gemm_fallback
+from megatron_areal.model import mapping
 from megatron_areal.model.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
 from megatron_areal.model.rope import rope_inv_freq
+from megatron_areal.model.weights import expert_offset
 
 log = logging.getLogger(__name__)
 
@@ -124,26 +138,53 @@ def use_transformer_engine(impl: str, *, on_gpu: bool, sequence_parallel: bool =
     return True
 
 
-def check_layout(arch: ModelArch, tp: int, pp: int) -> None:
+def check_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
     """Refuse layouts the architecture cannot be split into, naming the numbers."""
     if arch.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type {arch.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if arch.num_layers % pp:
         raise ValueError(f"parallel.pp={pp} must divide the model's {arch.num_layers} layers")
-    for name, value in (("num_heads", arch.num_heads), ("num_kv_heads", arch.num_kv_heads),
-                        ("intermediate_size", arch.intermediate_size)):
+    sizes = [("num_heads", arch.num_heads), ("num_kv_heads", arch.num_kv_heads)]
+    if not arch.is_moe:  # MoE experts are split over etp instead (mapping.check_ep)
+        sizes.append(("intermediate_size", arch.intermediate_size))
+    for name, value in sizes:
         if value % tp:
             raise ValueError(f"parallel.tp={tp} must divide the model's {name}={value}")
+    mapping.check_ep(arch, ep, etp)
+
+
+def moe_config(arch: ModelArch, *, ep: int = 1, etp: int = 1, aux_loss_coef: float | None = None) -> dict:
+    """The MoE fields of the TransformerConfig (empty for dense models).
+
+    ``aux_loss_coef`` overrides the HF config's ``router_aux_loss_coef``; 0 turns the router's
+    load-balancing loss off.
+    """
+    if not arch.is_moe:
+        return {}
+    coef = arch.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef
+    return dict(
+        num_moe_experts=arch.num_experts, moe_router_topk=arch.num_experts_per_tok,
+        moe_ffn_hidden_size=arch.moe_intermediate_size, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if coef > 0 else "none", moe_aux_loss_coeff=coef,
+        moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        # routers carry megatron-core's RouterReplay (idle unless actor/routing_replay.py sets an action)
+        moe_enable_routing_replay=True)
 
 
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                        dtype: torch.dtype = torch.float32, on_gpu: bool = False,
-                       p2p_batched: bool = True) -> TransformerConfig:
+                       p2p_batched: bool = True, ep: int = 1, etp: int = 1,
+                       aux_loss_coef: float | None = None) -> TransformerConfig:
     """The TransformerConfig of ``arch``; fusions that need TE/Apex/CUDA stay off."""
-    check_layout(arch, tp, pp)
+    check_layout(arch, tp, pp, ep, etp)
+    moe = moe_config(arch, ep=ep, etp=etp, aux_loss_coef=aux_loss_coef)
+    # every layer of a supported MoE model is a MoE layer: its expert width is the only MLP width
+    ffn = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
     return TransformerConfig(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=ffn,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
@@ -152,12 +193,13 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_pa
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         # packed micro-batches differ in length, so pipeline stages exchange shapes per micro-batch;
         # the MoE dispatcher setting only satisfies a check that applies to MoE models
-        use_cpu_initialization=not on_gpu, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=not on_gpu, variable_seq_lengths=True,
         # gloo delivers two batched isend/irecv to the same peer out of order (notes/megatron-cpu.md)
         batch_p2p_comm=p2p_batched,
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        **({"moe_token_dispatcher_type": "alltoall"} | moe),
     )
 
 
@@ -167,18 +209,21 @@ def layer_spec(arch: ModelArch, use_te: bool) -> ModuleSpec:
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    experts = arch.num_experts or None  # SequentialMLP experts: the mapping names one MLP per expert
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                          qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
+                                    normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     return spec
 
 
-def _global_name(name: str, layer_offset: int, tied: bool) -> str:
-    """Parameter name as in a TP1/PP1 model: global layer index, tied output = embedding."""
+def _global_name(name: str, layer_offset: int, tied: bool, experts_offset: int = 0) -> str:
+    """Parameter name as in a TP1/PP1/EP1 model: global layer and expert index, tied output = embedding."""
     if tied and name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
-    return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + layer_offset}.", name)
+    return mapping.global_name(name, layer_offset, experts_offset)
 
 
 def _full_init(name: str, shape: list[int], vocab_size: int, seed: int) -> torch.Tensor:
@@ -193,38 +238,43 @@ def _full_init(name: str, shape: list[int], vocab_size: int, seed: int) -> torch
 
 @torch.no_grad()
 def init_weights(chunks: list[GPTModel], arch: ModelArch, *, seed: int, tp: int, tp_rank: int, pp: int,
-                 pp_rank: int) -> None:
+                 pp_rank: int, etp: int = 1, etp_rank: int = 0) -> None:
     """Seeded random weights that are the same function at every TP/PP layout.
 
     Megatron's own CPU initialisation draws from one generator in construction order, so a PP
     stage that skips the embedding, or a larger TP padding of the vocabulary, shifts every later
     draw. Here each parameter's full (unsharded) tensor comes from a generator seeded by its
     layout-independent name, and this rank keeps its TP shard the way Megatron splits it
-    (``partition_dim``, ``partition_stride``).
+    (``partition_dim``, ``partition_stride``). Experts are named by their global index and split
+    over the expert-TP ranks (``etp``), so the same seed also gives the same model at any EP layout.
     """
     offset = pp_rank * (arch.num_layers // pp)
     for chunk in chunks:
+        first_expert = expert_offset(chunk)
         for name, param in chunk.named_parameters():
-            gname = _global_name(name, offset, arch.tie_word_embeddings)
+            gname = _global_name(name, offset, arch.tie_word_embeddings, first_expert)
+            # Megatron marks expert weights allreduce=False (their grads reduce over expert DP)
+            size, rank = (etp, etp_rank) if getattr(param, "allreduce", True) is False else (tp, tp_rank)
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
             shape = list(param.shape)
             if dim >= 0:
-                shape[dim] *= tp
+                shape[dim] *= size
             full = _full_init(gname, shape, arch.vocab_size, seed)
             if dim >= 0:
                 stride = getattr(param, "partition_stride", 1)
                 pieces = torch.split(full, param.shape[dim] // stride, dim=dim)
-                full = torch.cat(pieces[tp_rank::tp], dim=dim)
+                full = torch.cat(pieces[rank::size], dim=dim)
             param.copy_(full.to(param.dtype))
 
 
 def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, tp_rank: int = 0,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, seed: int = 1,
                 device: torch.device | None = None, use_te: bool | None = None,
-                transformer_impl: str = "auto") -> list[GPTModel]:
+                transformer_impl: str = "auto", ep: int = 1, etp: int = 1, etp_rank: int = 0,
+                aux_loss_coef: float | None = None) -> list[GPTModel]:
     """The GPTModel chunk of pipeline stage ``pp_rank``, randomly initialised from ``seed``.
 
-    Needs Megatron's parallel state for (tp, pp) initialised (``actor.parallel.init_parallel``).
+    Needs Megatron's parallel state for (tp, pp, ep, etp) initialised (``actor.parallel.init_parallel``).
     The same seed gives the same full model at any TP/PP layout (``init_weights``). ``use_te``
     forces the spec (benchmarks compare both); otherwise ``transformer_impl`` decides.
     """
@@ -236,8 +286,10 @@ def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
         raise ValueError("the Transformer Engine spec needs a CUDA device")
     if not use_te:
         packed_rope.install()  # the local spec's packed rotary, one table per micro-batch
+    if arch.is_moe:
+        ensure_router_gemm_fallback()
     config = transformer_config(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype,
-                                on_gpu=on_gpu, p2p_batched=on_gpu)
+                                on_gpu=on_gpu, p2p_batched=on_gpu, ep=ep, etp=etp, aux_loss_coef=aux_loss_coef)
     torch.manual_seed(seed)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(arch, use_te),
@@ -247,7 +299,7 @@ def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
     model.rotary_pos_emb.inv_freq = rope_inv_freq(arch).to(device)
-    init_weights([model], arch, seed=seed, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank)
+    init_weights([model], arch, seed=seed, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, etp=etp, etp_rank=etp_rank)
     model.to(device)
     log.info("built %s stage %d/%d: %.2fM parameters on this rank (%s spec)", arch.model_type, pp_rank, pp,
              sum(p.numel() for p in model.parameters()) / 1e6, "TE" if use_te else "local")

@@ -1,5 +1,9 @@
 """Bootstrap torch.distributed and Megatron's model-parallel state for one TP x PP x DP layout.
 
+MoE models add expert parallelism: the experts of each layer are split over ``ep`` ranks and each
+expert's weights over ``etp`` ranks. Megatron lays the expert groups over the same ranks as
+TP x DP (``ep * etp`` must divide ``world / pp``), so EP lives inside data parallelism.
+
 This is the one place that touches ``megatron.core.parallel_state``; everything else receives the
 ``ParallelGroups`` it returns. ``teardown_parallel`` destroys Megatron's groups (not the world), so
 one process group can be re-initialised with another layout, which the distributed tests rely on.
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -36,6 +41,12 @@ class ParallelGroups:
     mp_group: dist.ProcessGroup  # TP x PP: the ranks holding one full model replica
     backend: str
     device: torch.device
+    ep: int = 1  # expert parallel: ranks the experts of a layer are split over
+    etp: int = 1  # expert tensor parallel: ranks each expert's weights are split over
+    ep_rank: int = 0
+    etp_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    etp_group: dist.ProcessGroup | None = None
 
     @property
     def world_size(self) -> int:
@@ -78,20 +89,35 @@ def init_world(backend: str = "auto", timeout_minutes: int = 30) -> str:
     return dist.get_backend()
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1, backend: str = "auto") -> ParallelGroups:
-    """Set up Megatron's TP/PP/DP groups on the (possibly already initialised) world."""
+def check_world(world: int, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
+    """Refuse a layout the world size cannot be split into, naming the numbers."""
+    if min(tp, pp, ep, etp) < 1 or world % (tp * pp) != 0:
+        raise ValueError(f"parallel: world size {world} is not divisible by tp ({tp}) x pp ({pp})")
+    if (world // pp) % (ep * etp) != 0:
+        raise ValueError(f"parallel: ep ({ep}) x etp ({etp}) must divide world size / pp = {world // pp} "
+                         "(expert parallelism is laid over the tensor- and data-parallel ranks)")
+
+
+def min_world(tp: int, pp: int, ep: int = 1, etp: int = 1) -> int:
+    """The smallest world size that holds the layout: pp x lcm(tp, ep x etp)."""
+    return pp * math.lcm(tp, ep * etp)
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1, backend: str = "auto", ep: int = 1,
+                  etp: int = 1) -> ParallelGroups:
+    """Set up Megatron's TP/PP/DP (and, for MoE models, EP/expert-TP) groups on the world."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     backend = init_world(backend)
     world = dist.get_world_size()
-    if tp < 1 or pp < 1 or world % (tp * pp) != 0:
-        raise ValueError(f"parallel: world size {world} is not divisible by tp ({tp}) x pp ({pp})")
+    check_world(world, tp, pp, ep, etp)
     if backend == "gloo":
         apply_cpu_patch()
     if mpu.model_parallel_is_initialized():
         teardown_parallel()
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                   create_gloo_process_groups=backend != "gloo")
     model_parallel_cuda_manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -101,9 +127,11 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1, backend: str = "auto"
         dp_rank=mpu.get_data_parallel_rank(),
         tp_group=mpu.get_tensor_model_parallel_group(), pp_group=mpu.get_pipeline_model_parallel_group(),
         dp_group=mpu.get_data_parallel_group(), mp_group=mpu.get_model_parallel_group(),
-        backend=backend, device=device)
-    log.info("parallel layout tp=%d pp=%d dp=%d (%s); this rank tp=%d pp=%d dp=%d", tp, pp, groups.dp,
-             backend, groups.tp_rank, groups.pp_rank, groups.dp_rank)
+        backend=backend, device=device, ep=ep, etp=etp,
+        ep_rank=mpu.get_expert_model_parallel_rank(), etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        ep_group=mpu.get_expert_model_parallel_group(), etp_group=mpu.get_expert_tensor_parallel_group())
+    log.info("parallel layout tp=%d pp=%d dp=%d ep=%d etp=%d (%s); this rank tp=%d pp=%d dp=%d ep=%d", tp, pp,
+             groups.dp, ep, etp, backend, groups.tp_rank, groups.pp_rank, groups.dp_rank, groups.ep_rank)
     return groups
 
 

@@ -25,6 +25,9 @@ class PPOConfig:
     normalize_batch_advantage: bool = False  # whiten advantages over the whole batch (all DP ranks)
     kl_coef: float = 0.0  # KL penalty to the reference (initial) policy; 0 disables it
     decoupled: bool = True  # False: naive PPO (proximal = behaviour), for ablations
+    # MoE: route every token to the experts the rollout chose (Trajectory.routed_experts; needs
+    # rollout.return_routed_experts) in the proximal and training forwards (R3, actor/routing_replay.py)
+    routing_replay: bool = False
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""

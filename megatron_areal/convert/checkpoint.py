@@ -188,7 +188,7 @@ class Checkpointer:
         self._barrier()
         if dist.get_rank() == 0:
             g = self.groups
-            dist_ckpt.write_meta(tmp, self.arch, self.hf_dir, self.hf_dtype, g.tp, g.pp, g.dp)
+            dist_ckpt.write_meta(tmp, self.arch, self.hf_dir, self.hf_dtype, g.tp, g.pp, g.dp, ep=g.ep, etp=g.etp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

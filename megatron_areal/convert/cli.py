@@ -1,10 +1,11 @@
 """``megatron-areal convert``: HF folder <-> Megatron distributed checkpoint.
 
-    megatron-areal convert hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp N --pp N]
+    megatron-areal convert hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp N --pp N --ep N --etp N]
     megatron-areal convert mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--dtype bfloat16]
 
-The checkpoint loads at any TP/PP layout; ``--tp/--pp`` only choose the layout it is written
-from. ``mcore-to-hf`` also accepts a training checkpoint directory.
+The checkpoint loads at any TP/PP(/EP) layout; ``--tp/--pp/--ep/--etp`` only choose the layout it
+is written from (``--ep``/``--etp``: expert parallel and expert tensor parallel, MoE models).
+``mcore-to-hf`` also accepts a training checkpoint directory.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--out", required=True, help="checkpoint directory to create")
     to_mcore.add_argument("--tp", type=int, default=1)
     to_mcore.add_argument("--pp", type=int, default=1)
+    to_mcore.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
+    to_mcore.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE models)")
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF folder")
     to_hf.add_argument("--ckpt", required=True, help="checkpoint directory")
     to_hf.add_argument("--out", required=True, help="HF folder to create")
@@ -52,7 +55,7 @@ def main(argv: list[str]) -> int:
         if args.direction == "hf-to-mcore":
             from megatron_areal.assets import resolve_model
 
-            out = hf_to_mcore(resolve_model(args.hf), args.out, tp=args.tp, pp=args.pp)
+            out = hf_to_mcore(resolve_model(args.hf), args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
         else:
             out = mcore_to_hf(args.ckpt, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
     except INPUT_ERRORS as e:

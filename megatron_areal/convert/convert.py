@@ -1,8 +1,9 @@
 """HF folder <-> Megatron distributed checkpoint, the two directions of ``megatron-areal convert``.
 
 ``hf_to_mcore`` validates the HF folder in the calling process (so bad input fails fast with a
-clear message), then runs ``tp * pp`` ranks that each build their pipeline stage, fill it with
-their TP slice of the HF weights and write their shards. ``mcore_to_hf`` needs no model and no
+clear message), then runs ``tp * pp`` ranks (for MoE models ``pp * lcm(tp, ep * etp)``: expert
+parallelism lives inside the TP x DP ranks) that each build their pipeline stage, fill it with
+their TP (and EP / expert-TP) slice of the HF weights and write their shards. ``mcore_to_hf`` needs no model and no
 process group: it reads global tensors from the checkpoint one layer at a time. Both write into a
 temporary sibling directory that is renamed into place only when everything succeeded.
 """
@@ -24,10 +25,11 @@ log = logging.getLogger(__name__)
 
 
 class LayoutError(ValueError):
-    """A TP/PP layout the model cannot be split into."""
+    """A TP/PP/EP layout the model cannot be split into."""
 
 
-def save_hf_as_mcore_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str = "float32") -> float:
+def save_hf_as_mcore_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str = "float32", ep: int = 1,
+                          etp: int = 1) -> float:
     """One rank of ``hf_to_mcore`` (runs inside a worker of the pool); returns its seconds."""
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
@@ -35,11 +37,11 @@ def save_hf_as_mcore_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
 
     start = time.time()
     arch = load_arch(hf_dir)
-    groups = init_parallel(tp=tp, pp=pp, backend="gloo")
+    groups = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=etp)
     try:
         chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
-                             dtype=getattr(torch, dtype))
-        load_hf_weights(chunks, hf_dir, arch, groups.tp_rank, groups.tp)
+                             dtype=getattr(torch, dtype), ep=ep, etp=etp, etp_rank=groups.etp_rank)
+        load_hf_weights(chunks, hf_dir, arch, groups.tp_rank, groups.tp, etp_rank=groups.etp_rank, etp_size=etp)
         dist_ckpt.save_model(chunks, out_dir)
     finally:
         teardown_parallel()
@@ -47,29 +49,30 @@ def save_hf_as_mcore_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
 
 
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1,
-                pool: WorkerPool | None = None) -> Path:
-    """Convert an HF folder into a Megatron distributed checkpoint saved at layout (tp, pp)."""
+                pool: WorkerPool | None = None, ep: int = 1, etp: int = 1) -> Path:
+    """Convert an HF folder into a Megatron distributed checkpoint saved at layout (tp, pp, ep, etp)."""
     from megatron_areal.actor.model import check_layout
+    from megatron_areal.actor.parallel import check_world, min_world
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     arch = load_arch(hf_dir)
     try:
-        check_layout(arch, tp, pp)
+        check_layout(arch, tp, pp, ep, etp)
     except ValueError as e:
         raise LayoutError(f"{hf_dir / 'config.json'}: {e}") from None
     hf_dtype = HFReader(hf_dir, arch).dtype()  # validates every tensor's presence and shape
     own_pool = pool is None
-    pool = pool or WorkerPool(tp * pp)
-    if pool.world != tp * pp:
-        raise ValueError(f"worker pool has {pool.world} ranks, layout tp={tp} pp={pp} needs {tp * pp}")
+    pool = pool or WorkerPool(min_world(tp, pp, ep, etp))
+    check_world(pool.world, tp, pp, ep, etp)  # a larger pool writes from data-parallel replicas too
+    world = pool.world
     try:
         with atomic_dir(out_dir) as tmp:
-            pool.run(save_hf_as_mcore_rank, str(hf_dir), str(tmp), tp, pp)
-            dist_ckpt.write_meta(tmp, arch, hf_dir, hf_dtype, tp, pp)
+            pool.run(save_hf_as_mcore_rank, str(hf_dir), str(tmp), tp, pp, ep=ep, etp=etp)
+            dist_ckpt.write_meta(tmp, arch, hf_dir, hf_dtype, tp, pp, dp=world // (tp * pp), ep=ep, etp=etp)
     finally:
         if own_pool:
             pool.close()
-    log.info("wrote Megatron checkpoint %s (tp=%d pp=%d) from %s", out_dir, tp, pp, hf_dir)
+    log.info("wrote Megatron checkpoint %s (tp=%d pp=%d ep=%d etp=%d) from %s", out_dir, tp, pp, ep, etp, hf_dir)
     return out_dir
 
 

@@ -10,7 +10,9 @@ loads at any TP/PP layout) with two additions:
 Megatron stores transformer layers stacked along a leading layer axis under one key
 (``decoder.layers.self_attention.linear_qkv.weight`` has shape ``[num_layers, ...]``) and uses the
 Transformer-Engine names for the fused norms; ``read_hf_tensors`` undoes both, one layer at a
-time, without building a model or a process group.
+time, without building a model or a process group. MoE experts are stacked along a second axis
+(``decoder.layers.mlp.experts.experts.linear_fc1.weight`` has shape ``[num_layers, num_experts, ...]``),
+so a checkpoint saved at one expert-parallel layout loads at any other.
 """
 from __future__ import annotations
 
@@ -46,10 +48,10 @@ class CheckpointReadError(ValueError):
 
 
 def write_meta(ckpt_dir: Path, arch: ModelArch, hf_dir: Path | None, hf_dtype: torch.dtype,
-               tp: int, pp: int, dp: int = 1) -> None:
+               tp: int, pp: int, dp: int = 1, ep: int = 1, etp: int = 1) -> None:
     """Describe the model next to the tensors; copy the HF config and tokenizer files along."""
     meta = {"format_version": FORMAT_VERSION, "arch": arch.to_dict(), "hf_dtype": str(hf_dtype).removeprefix("torch."),
-            "saved_tp": tp, "saved_pp": pp, "saved_dp": dp}
+            "saved_tp": tp, "saved_pp": pp, "saved_dp": dp, "saved_ep": ep, "saved_etp": etp}
     (ckpt_dir / META).write_text(json.dumps(meta, indent=2))
     if hf_dir is not None:
         dst = ckpt_dir / HF_FILES
@@ -81,7 +83,8 @@ def check_same_model(ckpt_dir: str | Path, arch: ModelArch) -> None:
     """Refuse to load a checkpoint of another model, naming the first differing field."""
     saved = read_meta(ckpt_dir)["arch_obj"]
     for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings"):
+                  "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings", "num_experts",
+                  "num_experts_per_tok", "moe_intermediate_size"):
         if getattr(saved, field) != getattr(arch, field):
             raise CheckpointMismatchError(
                 f"{Path(ckpt_dir) / META}: checkpoint is of another model ({field}={getattr(saved, field)!r}, "
@@ -149,12 +152,16 @@ def _load_full(ckpt_dir: Path, metadata: dict[str, Any], keys: list[str]) -> dic
                                   f"({lines[-1] if lines else type(e).__name__})") from None
 
 
-def _checkpoint_key(name: str) -> tuple[str, int | None]:
-    """Checkpoint key of a global Megatron name and its index on the stacked layer axis."""
+def _checkpoint_key(name: str) -> tuple[str, tuple[int, ...]]:
+    """Checkpoint key of a global Megatron name and its index on the stacked (layer[, expert]) axes."""
     if not name.startswith(_STACKED):
-        return name, None
+        return name, ()
     layer, rest = mapping.te_name(name)[len(_STACKED):].split(".", 1)
-    return _STACKED + rest, int(layer)
+    expert = mapping.expert_index(name)
+    if expert is None:
+        return _STACKED + rest, (int(layer),)
+    param = rest.split(".", 4)[-1]  # mlp.experts.local_experts.{e}.<param>
+    return f"{_STACKED}mlp.experts.experts.{param}", (int(layer), expert)
 
 
 @contextmanager
@@ -190,5 +197,5 @@ def read_hf_tensors(ckpt_dir: str | Path, arch: ModelArch) -> Iterator[tuple[str
                                           f"the model has {arch.num_layers}")
     loaded = _load_full(ckpt_dir, metadata, keys)
     for name in names:
-        key, layer = _checkpoint_key(name)
-        yield from mapping.split(arch, name, loaded[key] if layer is None else loaded[key][layer])
+        key, index = _checkpoint_key(name)
+        yield from mapping.split(arch, name, loaded[key][index] if index else loaded[key])

@@ -1,13 +1,14 @@
 """``megatron-areal score``: per-token logprobs of given token sequences under the Megatron model.
 
     megatron-areal score (--ckpt CKPT_DIR | --hf HF_DIR) --input SEQS.jsonl --output OUT.jsonl
-                         [--tp N --pp N --temperature T]
+                         [--tp N --pp N --ep N --etp N --temperature T]
 
 SEQS.jsonl holds ``{"input_ids": [...]}`` per line; OUT.jsonl gets ``{"logprobs": [...]}`` per
 line, one float per token after the first (token t given tokens < t). The logprobs come from the
 actor's own forward path (packed micro-batches through Megatron's pipeline schedule and the
 vocabulary-parallel log-softmax), so comparing them with what a rollout server reported shows
-the train/inference mismatch.
+the train/inference mismatch. ``--ep``/``--etp`` split a MoE model's experts over expert-parallel
+and expert-tensor-parallel ranks; the job runs ``pp * lcm(tp, ep * etp)`` ranks.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def resolve_source(hf: str | None, ckpt: str | None) -> tuple[str, Path, ModelAr
 
 
 def score_rank(kind: str, source: str, sequences: list[list[int]], tp: int, pp: int, temperature: float = 1.0,
-               max_tokens_per_mb: int = 4096) -> list[list[float]]:
+               max_tokens_per_mb: int = 4096, ep: int = 1, etp: int = 1) -> list[list[float]]:
     """One rank of ``score`` (inside a worker pool): logprobs of every sequence, on every rank."""
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
@@ -88,27 +89,32 @@ def score_rank(kind: str, source: str, sequences: list[list[int]], tp: int, pp: 
     from megatron_areal.model.weights import load_hf_weights
 
     arch = dist_ckpt.hf_arch_from_ckpt(Path(source)) if kind == "ckpt" else load_arch(source)
-    groups = init_parallel(tp=tp, pp=pp, backend="gloo")
+    groups = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=etp)
     try:
         longest = max(len(s) for s in sequences)
         actor = Actor(arch, ModelConfig(path=source, dtype="float32", max_seq_len=longest),
-                      ParallelConfig(tp=tp, pp=pp, max_tokens_per_mb=max(max_tokens_per_mb, longest)),
+                      ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, max_tokens_per_mb=max(max_tokens_per_mb, longest),
+                                     sequence_parallel=arch.is_moe and tp > 1),
                       OptimizerConfig(distributed=False), PPOConfig(), groups, total_steps=1)
         if kind == "ckpt":
             dist_ckpt.load_model(actor.model, source, arch)
         else:
-            load_hf_weights(actor.model, source, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
+            load_hf_weights(actor.model, source, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer,
+                            etp_rank=groups.etp_rank, etp_size=groups.etp)
         return [lp.tolist() for lp in actor.compute_logprobs(sequences, temperature)]
     finally:
         teardown_parallel()
 
 
 def score(kind: str, source: Path, sequences: list[list[int]], tp: int = 1, pp: int = 1,
-          temperature: float = 1.0, pool: WorkerPool | None = None) -> list[list[float]]:
+          temperature: float = 1.0, pool: WorkerPool | None = None, ep: int = 1, etp: int = 1) -> list[list[float]]:
+    """Logprobs of ``sequences``; a given ``pool`` may be larger than the layout needs (spare ranks are DP)."""
+    from megatron_areal.actor.parallel import min_world
+
     own_pool = pool is None
-    pool = pool or WorkerPool(tp * pp)
+    pool = pool or WorkerPool(min_world(tp, pp, ep, etp))
     try:
-        return pool.run(score_rank, kind, str(source), sequences, tp, pp, temperature)[0]
+        return pool.run(score_rank, kind, str(source), sequences, tp, pp, temperature, ep=ep, etp=etp)[0]
     finally:
         if own_pool:
             pool.close()
@@ -124,6 +130,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output", required=True, help='JSONL to write, {"logprobs": [...]} per line')
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (MoE models)")
     parser.add_argument("--temperature", type=float, default=1.0, help="logprobs of softmax(logits / T)")
     args = parser.parse_args(argv)
     start = time.time()
@@ -131,11 +139,11 @@ def main(argv: list[str]) -> int:
         kind, path, arch = resolve_source(args.hf, args.ckpt)
         from megatron_areal.actor.model import check_layout
 
-        check_layout(arch, args.tp, args.pp)
+        check_layout(arch, args.tp, args.pp, args.ep, args.etp)
         sequences = read_sequences(args.input, arch.vocab_size)
         if not sequences:
             raise InputFileError(f"{args.input}: no sequences")
-        logprobs = score(kind, path, sequences, args.tp, args.pp, args.temperature)
+        logprobs = score(kind, path, sequences, args.tp, args.pp, args.temperature, ep=args.ep, etp=args.etp)
         write_logprobs(args.output, logprobs)
     except (*INPUT_ERRORS, InputFileError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -147,6 +147,15 @@ def is_expert(name: str) -> bool:
     return expert_index(name) is not None
 
 
+def with_expert(name: str, expert: int) -> str:
+    """The same parameter of another expert (global names)."""
+    m = _LAYER.match(canonical(name))
+    e = _EXPERT.match(m.group(2)) if m else None
+    if e is None:
+        raise MappingError(f"{name!r} is not an expert parameter")
+    return f"decoder.layers.{m.group(1)}.mlp.experts.local_experts.{expert}.{e.group(2)}"
+
+
 def mcore_names(arch: ModelArch) -> list[str]:
     """Every Megatron parameter name (local spec) of the whole model, in model order."""
     per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]

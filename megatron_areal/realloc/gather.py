@@ -19,8 +19,12 @@ from megatron_areal.model.weights import named_global_params
 
 def gather_to_head(name: str, local: torch.Tensor, tp_group: dist.ProcessGroup | None, tp_size: int,
                    head: bool) -> torch.Tensor | None:
-    """The full tensor on TP rank 0 (``head``), None elsewhere; replicated parameters need no traffic."""
-    if tp_size == 1 or mapping.tp_dim(name) is None:
+    """The full tensor on TP rank 0 (``head``), None elsewhere; replicated parameters need no traffic.
+
+    MoE experts are split over expert-TP ranks, not TP ranks; the trainer pushes weights only at
+    ep = etp = 1 (trainer/policy.py), where every rank holds every expert whole.
+    """
+    if tp_size == 1 or mapping.tp_dim(name) is None or mapping.is_expert(name):
         return local if head else None
     local = local.contiguous()
     shards = [torch.empty_like(local) for _ in range(tp_size)] if head else None

@@ -59,12 +59,18 @@ class Policy:
         from megatron_areal.model.weights import load_hf_weights
         from megatron_areal.realloc.sync import WeightSync
 
-        groups = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, backend=cfg.parallel.backend)
+        if cfg.parallel.ep * cfg.parallel.etp > 1:  # realloc gathers TP shards only (realloc/gather.py)
+            raise ValueError(f"parallel.ep={cfg.parallel.ep} / parallel.etp={cfg.parallel.etp}: the weight push to "
+                             "the rollout servers does not yet gather experts over expert-parallel ranks; "
+                             "train MoE models at ep=1, etp=1 (convert and score accept any layout)")
+        groups = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, backend=cfg.parallel.backend,
+                               ep=cfg.parallel.ep, etp=cfg.parallel.etp)
         hf_dir = resolve_model(cfg.model.path)
         arch = load_arch(hf_dir)
         actor = Actor(arch, cfg.model, cfg.parallel, cfg.optimizer, cfg.ppo, groups, seed=cfg.train.seed,
                       total_steps=cfg.train.steps)
-        load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
+        load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer,
+                        etp_rank=groups.etp_rank, etp_size=groups.etp)
         if cfg.ppo.kl_coef > 0:
             actor.set_reference()
         run_dir = RunDir.of(cfg)
