@@ -22,13 +22,22 @@ def train_command(config: Path, run_dir: Path, overrides: list[str]) -> list[str
 
 
 def run_train(config: Path, run_dir: Path, overrides: list[str], timeout: float) -> float:
-    """Run the main job to its end -> the command's wall time; exits with its log tail if it fails."""
+    """Run the main job to its end -> the command's wall time; exits with its log tail if it fails.
+    Past ``timeout`` seconds the launcher gets SIGTERM (it stops its servers and trainer; the run
+    resumes from its newest checkpoint when started again)."""
     t0 = time.monotonic()
-    result = subprocess.run(train_command(config, run_dir, overrides), capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(train_command(config, run_dir, overrides), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            _, err = proc.communicate(timeout=120)
+            raise SystemExit(f"the main job did not finish within {timeout:.0f} s; logs in {RunDir(run_dir).logs}\n"
+                             f"{err[-2000:]}") from None
     wall = time.monotonic() - t0
-    if result.returncode != 0:
-        raise SystemExit(f"the main job failed ({result.returncode}); logs in {RunDir(run_dir).logs}\n"
-                         f"{result.stderr[-2000:]}")
+    if proc.returncode != 0:
+        raise SystemExit(f"the main job failed ({proc.returncode}); logs in {RunDir(run_dir).logs}\n{err[-2000:]}")
     return wall
 
 
