@@ -6,10 +6,11 @@ loop calls the same methods on every rank; on the others they do nothing.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,7 @@ class Rank0Duties:
     metrics: MetricsWriter
     ledger: TrainedLedger
     before: float | None = None
+    final_eval: cf.Future[float | None] | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, cfg: Config, hf_dir: Path, fleet: Fleet, weights: WeightSync, version: int, step: int,
@@ -118,9 +120,11 @@ class Rank0Duties:
         return cls(cfg, fleet, weights, controller, rewards, tokenizer, eval_prompts, metrics, ledger)
 
     def start(self, step: int) -> None:
-        """Evaluate the starting policy (or read back a resumed run's), then start generating."""
-        self.before = before_accuracy(self, step)
+        """Start generating, then evaluate the starting policy (or read back a resumed run's) while the
+        first batch fills: no weights move before the first step, so the evaluation sees the starting
+        policy, and the trainer, idle until that batch, waits for both at once."""
         self.controller.start()
+        self.before = before_accuracy(self, step)
 
     def take_batch(self) -> list[Trajectory]:
         """The next admissible batch from the rollout controller (blocks)."""
@@ -140,6 +144,11 @@ class Rank0Duties:
         every, steps = self.cfg.train.eval_every, self.cfg.train.steps
         if every and step % every == 0 and step < steps:
             evaluate_held_out(self, step, "during")
+        if step == steps:  # the final weights are on the servers: evaluate them while the trainer saves
+            self.controller.stop()
+            pool = cf.ThreadPoolExecutor(1, thread_name_prefix="final-eval")
+            self.final_eval = pool.submit(evaluate_held_out, self, step, "after")
+            pool.shutdown(wait=False)
 
     def rollout_state(self) -> dict[str, Any]:
         """The rollout controller's state, for a checkpoint."""
@@ -150,7 +159,7 @@ class Rank0Duties:
         or re-admitted."""
         if not stopped_on_request:  # a run stopped to requeue spends no time on the final eval
             self.controller.stop()
-            after = evaluate_held_out(self, step, "after")
+            after = self.final_eval.result() if self.final_eval else evaluate_held_out(self, step, "after")
             if self.before is not None and after is not None:
                 logger.info("held-out accuracy %.1f%% -> %.1f%% (%+.1f points) over %d steps", 100 * self.before,
                             100 * after, 100 * (after - self.before), step)
