@@ -10,14 +10,17 @@ import concurrent.futures as cf
 import logging
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_areal.config import Config
 from megatron_areal.ledger import TrainedLedger
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.rundir import RunDir
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -86,7 +89,7 @@ class Rank0Duties:
     eval_prompts: list[Prompt]
     metrics: MetricsWriter
     ledger: TrainedLedger
-    before: float | None = None
+    before: cf.Future[float | None] | None = field(default=None, repr=False)
     final_eval: cf.Future[float | None] | None = field(default=None, repr=False)
 
     @classmethod
@@ -120,18 +123,20 @@ class Rank0Duties:
         return cls(cfg, fleet, weights, controller, rewards, tokenizer, eval_prompts, metrics, ledger)
 
     def start(self, step: int) -> None:
-        """Start generating, then evaluate the starting policy (or read back a resumed run's) while the
-        first batch fills: no weights move before the first step, so the evaluation sees the starting
-        policy, and the trainer, idle until that batch, waits for both at once."""
+        """Start generating, and evaluate the starting policy (or read back a resumed run's) in the
+        background: the first step trains meanwhile, and its weight push waits for the evaluation
+        (``hold_generation``), so the evaluation sees the starting weights."""
         self.controller.start()
-        self.before = before_accuracy(self, step)
+        self.before = in_background(before_accuracy, self, step)
 
     def take_batch(self) -> list[Trajectory]:
         """The next admissible batch from the rollout controller (blocks)."""
         return self.controller.get_batch(BATCH_TIMEOUT_S)
 
     def hold_generation(self) -> None:
-        """Hold new groups and re-posts; the weight mover pauses the servers itself."""
+        """Hold new groups and re-posts (the weight mover pauses the servers itself), once the starting
+        policy's evaluation is done."""
+        self.before.result()
         self.controller.pause_generation(pause_servers=False)
 
     def after_step(self, step: int, version: int, batch: list[Trajectory], stats: dict[str, float],
@@ -146,9 +151,7 @@ class Rank0Duties:
             evaluate_held_out(self, step, "during")
         if step == steps:  # the final weights are on the servers: evaluate them while the trainer saves
             self.controller.stop()
-            pool = cf.ThreadPoolExecutor(1, thread_name_prefix="final-eval")
-            self.final_eval = pool.submit(evaluate_held_out, self, step, "after")
-            pool.shutdown(wait=False)
+            self.final_eval = in_background(evaluate_held_out, self, step, "after")
 
     def rollout_state(self) -> dict[str, Any]:
         """The rollout controller's state, for a checkpoint."""
@@ -160,9 +163,10 @@ class Rank0Duties:
         if not stopped_on_request:  # a run stopped to requeue spends no time on the final eval
             self.controller.stop()
             after = self.final_eval.result() if self.final_eval else evaluate_held_out(self, step, "after")
-            if self.before is not None and after is not None:
-                logger.info("held-out accuracy %.1f%% -> %.1f%% (%+.1f points) over %d steps", 100 * self.before,
-                            100 * after, 100 * (after - self.before), step)
+            before = self.before.result()
+            if before is not None and after is not None:
+                logger.info("held-out accuracy %.1f%% -> %.1f%% (%+.1f points) over %d steps", 100 * before,
+                            100 * after, 100 * (after - before), step)
         w = self.weights
         if w.readmitted or w.lost:
             logger.warning("rollout servers: %d re-admitted after a restart (rollout/server_restarts), %d still "
@@ -191,6 +195,15 @@ def evaluate_held_out(duties: Rank0Duties, step: int, label: str) -> float | Non
                 100 * result.accuracy, result.n, cfg.data.eval, result.seconds)
     append_eval(cfg.train.run_dir, {"step": step, "label": label, "accuracy": result.accuracy, "n": result.n})
     return result.accuracy
+
+
+def in_background(fn: Callable[..., T], *args: Any) -> cf.Future[T]:
+    """``fn(*args)`` on a thread of its own; its result (or error) waits in the future."""
+    pool = cf.ThreadPoolExecutor(1, thread_name_prefix=fn.__name__)
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def before_accuracy(duties: Rank0Duties, step: int) -> float | None:
