@@ -335,7 +335,8 @@ class Actor:
                              groups.device)
         out["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         out["n_microbatches"] = float(len(batches))
-        if self.arch.is_moe:
+        coef = self.model_cfg.router_aux_loss_coef
+        if self.arch.is_moe and (self.arch.router_aux_loss_coef if coef is None else coef) > 0:
             aux = take_aux_loss(groups, len(batches))
             if aux is not None:
                 out["moe_aux_loss"] = aux
