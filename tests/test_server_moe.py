@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -443,3 +444,31 @@ def test_sglang_servers_are_launched_to_return_routes(tmp_path: Path) -> None:
     assert "--enable-return-routed-experts" not in command()
     cmd = command("rollout.return_routed_experts=true", 'server.extra_args=["--log-level", "debug"]')
     assert cmd[-3:] == ["--enable-return-routed-experts", "--log-level", "debug"]
+
+
+def test_request_retracted_by_an_update_is_rerouted_by_the_new_weights(moe_models, hf_a) -> None:
+    """A weight update while a request decodes sends it back to be prefilled under the new weights
+    (SGLang's retract): every position it reports is then routed by those weights, as SGLang's
+    re-prefill overwrites its routed-experts cache. (The rollout's pause in ``abort`` mode keeps
+    the old weights' routes instead: see the interrupted-sample test.)"""
+    e = Engine(str(moe_models[0]), EngineOptions(max_running=2, context_length=256, weight_version="v0"))
+    def slow(module: Any, args: Any) -> None:  # time to act between steps
+        threading.Event().wait(0.02)
+
+    e.model.register_forward_pre_hook(slow)
+    e.start()
+    try:
+        done = threading.Event()
+        (req,) = e.submit([("long", PROMPTS[0], SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True))],
+                          lambda r: done.set(), record_routes=True)
+        deadline = time.monotonic() + 120
+        while len(req.output_ids) < 5 and req.finish_reason is None and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        assert req.finish_reason is None, req.finish_reason
+        e.update_from_disk(str(moe_models[1]), "v1")
+        assert done.wait(120)
+    finally:
+        e.stop()
+    assert "v0" in req.output_versions and "v1" in req.output_versions
+    end = len(req.all_ids) - 1
+    assert torch.equal(req.routes.rows(0, end), hf_routes(load_hf(moe_models[1]), req.all_ids)[:end])
