@@ -42,7 +42,9 @@ class EngineOptions:
 
 @dataclass(kw_only=True)
 class ServerConfig:
-    """The run's rollout fleet: which engine, how many servers, where, and each server's limits."""
+    """The run's rollout fleet: which engine, how many servers, where, and each server's limits. The
+    launcher gives each embedded server the run's seed (``train.seed``), dtype (``model.dtype``) and
+    device (the plan's), so they are not set here."""
 
     engine: Literal["embedded", "sglang"] = "embedded"
     count: int = 1  # rollout servers
@@ -54,9 +56,6 @@ class ServerConfig:
     max_queue: int = EngineOptions.max_queue  # waiting requests before 503 (embedded)
     context_length: int | None = None  # tokens per sequence (prompt + output); None: model.max_seq_len
     mem_fraction: float = 0.85  # SGLang --mem-fraction-static
-    device: str = EngineOptions.device  # embedded server: cpu | cuda | cuda:N
-    dtype: str | None = EngineOptions.dtype  # embedded server: None = float32 on CPU, bfloat16 on CUDA
-    seed: int = EngineOptions.seed
     threads: int = 1  # embedded server: torch threads per server process
     startup_timeout_s: float = 600.0
     # a server that dies during the run is started again on the same port, at most this many times
@@ -74,8 +73,6 @@ class ServerConfig:
         require(self.max_queue >= 1, "max_queue", "must be >= 1")
         require(self.context_length is None or self.context_length >= 2, "context_length", "must be >= 2")
         require(0 < self.mem_fraction <= 1, "mem_fraction", "must be in (0, 1]")
-        require(self.dtype in (None, "float32", "bfloat16", "float16"), "dtype",
-                "must be float32, bfloat16 or float16")
         require(1 <= self.base_port <= 65535, "base_port", "must be a TCP port")
         require(self.threads >= 1, "threads", "must be >= 1")
         require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
