@@ -8,6 +8,7 @@ gap between the 2nd and 3rd expert is reported by ``router_margin``).
 """
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import torch
@@ -111,3 +112,46 @@ def hf_logprobs_with_routes(hf_dir: str | Path, sequence: list[int], routes: tor
     ids = torch.tensor([sequence])
     logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
     return logp.gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def sample_with_routes(hf_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                       dtype: str | None = None) -> list:
+    """Sample each prompt once with the embedded server's engine (in this process), keeping the
+    routes it reports; ``Trajectory`` objects as the rollout loop builds them (``routed_experts``:
+    SGLang's int32 ``(L - 1, layers, top_k)`` bytes, behaviour version 0). ``dtype``: the engine's
+    (its default when None)."""
+    import threading
+
+    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.server.config import EngineOptions
+    from megatron_areal.server.engine import Engine
+    from megatron_areal.server.routes import encode_routes
+    from megatron_areal.server.sampler import SamplingParams
+
+    opts = EngineOptions(max_running=8, context_length=64, dtype=dtype)
+    engine = Engine(str(hf_dir), opts)
+    engine.start()
+    done, finished = {}, threading.Event()
+
+    def on_finish(r) -> None:
+        done[r.rid] = r
+        if len(done) == len(prompts):
+            finished.set()
+
+    try:
+        engine.submit([(str(i), p, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                  ignore_eos=True, seed=i)) for i, p in enumerate(prompts)],
+                      on_finish, record_routes=True)
+        if not finished.wait(300):
+            raise TimeoutError("generation did not finish")
+    finally:
+        engine.stop()
+    out = []
+    for i, p in enumerate(prompts):
+        r = done[str(i)]
+        end = len(p) + len(r.output_ids) - 1
+        raw = base64.b64decode(encode_routes(r.routes.rows(0, end)))  # what the rollout client receives
+        out.append(Trajectory(prompt_ids=list(p), output_ids=list(r.output_ids),
+                              output_logprobs=list(r.output_logprobs), output_versions=[0] * len(r.output_ids),
+                              group_id=i // 2, reward=float(i % 2), routed_experts=raw))
+    return out
