@@ -115,11 +115,11 @@ def hf_logprobs_with_routes(hf_dir: str | Path, sequence: list[int], routes: tor
 
 
 def sample_with_routes(hf_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                       dtype: str | None = None) -> list:
+                       dtype: str | None = None, info: dict | None = None) -> list:
     """Sample each prompt once with the embedded server's engine (in this process), keeping the
     routes it reports; ``Trajectory`` objects as the rollout loop builds them (``routed_experts``:
     SGLang's int32 ``(L - 1, layers, top_k)`` bytes, behaviour version 0). ``dtype``: the engine's
-    (its default when None)."""
+    (its default when None); ``info`` (when given) gets the dtype the engine ran in."""
     import threading
 
     from megatron_areal.rollout.trajectory import Trajectory
@@ -130,6 +130,8 @@ def sample_with_routes(hf_dir: str | Path, prompts: list[list[int]], max_new_tok
 
     opts = EngineOptions(max_running=8, context_length=64, dtype=dtype)
     engine = Engine(str(hf_dir), opts)
+    if info is not None:
+        info["dtype"] = str(engine.dtype).removeprefix("torch.")
     engine.start()
     done, finished = {}, threading.Event()
 

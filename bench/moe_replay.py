@@ -1,0 +1,140 @@
+"""Rollout routing replay (R3) on a tiny Qwen3-MoE in bf16: the train/rollout logprob gap with and
+without replay.
+
+The embedded server's engine samples the tiny MoE (tests/tiny_moe.py: 8 experts, top-2, 2 layers,
+written offline) in bf16 and returns the experts it routed each token to; the Megatron actor, with
+the same weights in bf16, computes the logprobs of the sampled tokens twice: routing on its own
+(``ppo.routing_replay: false``, which also gives ``routing_mismatch``) and replaying the server's
+routes (``true``). Per arm, over all sampled tokens, with d = logprob(trainer) - logprob(rollout):
+
+    mean |d|                       the train/rollout logprob gap
+    std, p99 - p1 of exp(d)        the spread of the behaviour importance weights
+
+    RESULT moe_replay_gap_ratio <mean |d| without / mean |d| with>   (target >= 10)
+
+The router is initialised with std ``--router-std`` (default 0.02, transformers' initialiser
+range for Qwen3-MoE) rather than the tests' 1.0: top-2 scores are then as close as in a freshly
+initialised or trained model, which is where two engines' bf16 rounding picks different experts.
+
+What replay cannot remove: the dense bf16 numerics of the two engines (different kernels and
+accumulation orders; the output logits themselves are bf16, one ulp is 0.03 at magnitude 4),
+which leave a floor of mean |d| about 6e-3 whatever the routes and bound the ratio (how that
+floor splits between the logits and the layers below was not measured).
+Measured on a 2-core AVX512-BF16 machine (384 tokens, router std 0.02): 2 layers (the
+default, the tests' tiny MoE) mean |d| 1.18e-2 without, 6.2e-3 with replay, ratio 1.9, routing
+mismatch 1.5%; ``--layers 8``: 3.35e-2 vs 7.8e-3, ratio 4.3, mismatch 3.7% (routes diverge
+more, and their effect compounds, with depth). The issue's target of 10 is not reached here.
+
+bf16 on a CPU without AVX512-BF16/AMX: the actor trains in fp32 instead (actor/model.resolve_dtype)
+while the engine keeps bf16; the bench prints the dtype each side actually used. It fails
+(non-zero exit, no RESULT) if the tokens are not all scored, the trainer's dtype is not bf16
+(unless ``--allow-fp32-trainer``), or the gap with replay is not smaller than without.
+
+    python bench/moe_replay.py [--prompts 16] [--new-tokens 24] [--router-std 0.02] [--layers 2]
+
+About 20 s on a 2-core machine (2 layers; 8 layers about 40 s).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the package from this checkout; tests/tiny_moe.py
+
+
+def _arms(hf_dir: str, prompts: list[list[int]], new_tokens: int, temperature: float) -> dict:
+    """Worker: sample in bf16 with routes, then the bf16 trainer's logprobs without and with replay."""
+    import torch
+    import torch.distributed as dist
+    from tiny_moe import sample_with_routes
+
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
+
+    info: dict = {}
+    trajs = sample_with_routes(hf_dir, prompts, new_tokens, temperature, dtype="bfloat16", info=info)
+    arch = load_arch(hf_dir)
+    out: dict = {"server_dtype": info["dtype"], "n_tokens": sum(len(t.output_ids) for t in trajs)}
+    for replay in (False, True):
+        groups = init_parallel(1, 1, seed=1, backend="gloo")
+        actor = Actor(arch, ModelConfig(path=hf_dir, dtype="bfloat16", max_seq_len=128), ParallelConfig(),
+                      OptimizerConfig(lr=1e-5), PPOConfig(routing_replay=replay), groups, seed=1, total_steps=1)
+        load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
+        out["trainer_dtype"] = str(next(actor.model[0].parameters()).dtype).removeprefix("torch.")
+        hook = actor._route_hook(replay=replay)
+        lps = actor.compute_logprobs([t.input_ids for t in trajs], temperature,
+                                     routes=actor._rollout_routes(trajs), route_hook=hook)
+        d = torch.cat([lp[-len(t.output_ids):].double() - torch.tensor(t.output_logprobs, dtype=torch.float64)
+                       for lp, t in zip(lps, trajs)])
+        w = d.exp()
+        out[replay] = {"n": int(d.numel()), "mean_abs": float(d.abs().mean()), "max_abs": float(d.abs().max()),
+                       "w_std": float(w.std()),
+                       "w_p99_p1": float(torch.quantile(w, 0.99) - torch.quantile(w, 0.01)),
+                       "routing_mismatch": None if replay else hook.mismatch(dist.group.WORLD)}
+        teardown_parallel()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--router-std", type=float, default=0.02)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--allow-fp32-trainer", action="store_true",
+                    help="report even where the actor fell back to fp32 (CPU without native bf16)")
+    args = ap.parse_args()
+
+    import torch
+    from tiny_moe import make_tiny_qwen3_moe
+
+    from megatron_areal.convert.spawn import WorkerPool
+
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, 130, (int(torch.randint(3, 11, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(args.prompts)]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = make_tiny_qwen3_moe(Path(tmp) / "moe", seed=args.seed, router_std=args.router_std,
+                                     num_layers=args.layers)
+        with WorkerPool(1, timeout_s=600) as pool:
+            out = pool.run(_arms, str(hf_dir), prompts, args.new_tokens, args.temperature)[0]
+
+    off, on = out[False], out[True]
+    print(f"tiny Qwen3-MoE (8 experts, top-2, {args.layers} layers, router std {args.router_std}); "
+          f"{out['n_tokens']} sampled "
+          f"tokens ({args.prompts} prompts x {args.new_tokens}, temperature {args.temperature})")
+    print(f"dtype: server {out['server_dtype']}, trainer {out['trainer_dtype']}")
+    print(f"{'':34s}{'without replay':>16s}{'with replay':>16s}")
+    for key, label in (("mean_abs", "mean |lp(trainer) - lp(rollout)|"), ("max_abs", "max |lp(trainer) - lp(rollout)|"),
+                       ("w_std", "std of exp(d)"), ("w_p99_p1", "p99 - p1 of exp(d)")):
+        print(f"{label:34s}{off[key]:16.3e}{on[key]:16.3e}")
+    print(f"{'routing_mismatch':34s}{off['routing_mismatch']:16.4f}{'(replayed)':>16s}")
+
+    problems = []
+    for arm in (off, on):
+        if arm["n"] != out["n_tokens"] or out["n_tokens"] != args.prompts * args.new_tokens:
+            problems.append(f"{arm['n']} tokens scored, {out['n_tokens']} sampled, "
+                            f"{args.prompts * args.new_tokens} expected")
+    if out["server_dtype"] != "bfloat16":
+        problems.append(f"server ran in {out['server_dtype']}, not bfloat16")
+    if out["trainer_dtype"] != "bfloat16" and not args.allow_fp32_trainer:
+        problems.append(f"trainer ran in {out['trainer_dtype']} (no native bf16 on this CPU); "
+                        "--allow-fp32-trainer to report anyway")
+    if not on["mean_abs"] < off["mean_abs"]:
+        problems.append(f"gap with replay {on['mean_abs']:.3e} is not smaller than without {off['mean_abs']:.3e}")
+    if problems:
+        raise SystemExit("moe_replay: checks failed, no RESULT:\n  " + "\n  ".join(problems))
+    print(f"RESULT moe_replay_gap_ratio {off['mean_abs'] / on['mean_abs']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
