@@ -88,6 +88,20 @@ def sha(t: torch.Tensor) -> str:
 def test_stage_link_meets_sglang_receivers_bitwise(receivers: list[ReceiverProcess], flat: bool) -> None:
     """Our group (rank 0) + SGLang's ``init_custom_process_group`` on the servers: every tensor
     arrives bitwise, through SGLang's own bucket reconstruction."""
+    _send_and_check(receivers, flat)
+
+
+@pytest.mark.parametrize("receivers", [1], indirect=True)
+def test_stage_link_from_a_torchrun_rank_meets_sglang(receivers: list[ReceiverProcess],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A multi-rank trainer runs under torchrun, which sets ``TORCHELASTIC_USE_AGENT_STORE=True``;
+    torch's ``tcp://`` rendezvous then makes every rank a client of the agent's store, so the
+    trainer, rank 0 of the weight group, must host the group's store itself."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    _send_and_check(receivers, flat=True)
+
+
+def _send_and_check(receivers: list[ReceiverProcess], flat: bool) -> None:
     from megatron_areal.realloc.buckets import pack_buckets
     from megatron_areal.realloc.link import StageLink
     from megatron_areal.rollout.fleet import Fleet

@@ -2,8 +2,8 @@
 
 Both ends must meet under the same store keys, so both build the group exactly as SGLang's
 receiving side does (``init_custom_process_group`` in ``sglang/srt/utils/common.py``, the chain
-slime and AReaL use on the sending side too): a TCP rendezvous at ``tcp://master:port`` whose
-store rank 0 hosts, a ``PrefixStore(group_name)`` over it, then torch's own
+slime and AReaL use on the sending side too): the store of a TCP rendezvous at ``master:port``,
+hosted by rank 0 (``rendezvous_store``), a ``PrefixStore(group_name)`` over it, then torch's own
 ``_new_process_group_helper``, which adds ``"{group_name}/"`` and a per-device prefix before the
 backend exchanges its id. A group built any other way waits on different keys and never meets
 the servers (tests/test_sglang_conformance.py runs SGLang's function against this one).
@@ -96,10 +96,8 @@ def join_group(master_address: str, master_port: int, *, rank: int, world_size: 
     Returns once every rank has joined (the backend's id exchange needs all of them); raises
     ``RuntimeError``/``DistStoreError`` after ``timeout`` naming the store otherwise.
     """
-    init_method = f"tcp://{_url_host(master_address)}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = dist.PrefixStore(group_name, store)
+    store = dist.PrefixStore(group_name, rendezvous_store(master_address, master_port, rank=rank,
+                                                          world_size=world_size, timeout=timeout))
     with _create_lock:
         if group_name in c10d._world.pg_names.values():  # torch would say the same, less clearly
             raise ValueError(f"weight update group {group_name!r} already exists in this process")
@@ -109,5 +107,13 @@ def join_group(master_address: str, master_port: int, *, rank: int, world_size: 
     return pg
 
 
-def _url_host(address: str) -> str:
-    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+def rendezvous_store(master_address: str, master_port: int, *, rank: int, world_size: int,
+                     timeout: timedelta) -> dist.TCPStore:
+    """The store of torch's ``tcp://master:port`` rendezvous (what SGLang's side uses), hosted by rank 0.
+
+    Built directly rather than through ``c10d.rendezvous``: under torchrun (every multi-rank
+    trainer) that handler sees ``TORCHELASTIC_USE_AGENT_STORE=True`` and makes every rank a
+    client of the launcher agent's store, so nobody would host the weight group's.
+    """
+    return dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                         multi_tenant=True)
