@@ -31,8 +31,8 @@ def _stream(chunks: list, arch, groups, bucket_bytes: int, dtype: torch.dtype) -
 
     _sync(groups.device)
     start, total, count = time.perf_counter(), 0, 0
-    for bucket in hf_buckets(chunks, arch, groups.tp_group, 1, keep=True, bucket_bytes=bucket_bytes,
-                             dtype=dtype, device=groups.device):
+    for bucket in hf_buckets(chunks, arch, groups, bucket_bytes=bucket_bytes, dtype=dtype,
+                             device=groups.device):
         total += bucket.nbytes
         count += 1
     _sync(groups.device)

@@ -47,6 +47,7 @@ class ParallelGroups:
     etp_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
     etp_group: dist.ProcessGroup | None = None
+    edp_rank: int = 0  # expert data parallel: which copy of the experts this rank's expert shards belong to
 
     @property
     def world_size(self) -> int:
@@ -129,7 +130,8 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1, backend: str = "auto"
         dp_group=mpu.get_data_parallel_group(), mp_group=mpu.get_model_parallel_group(),
         backend=backend, device=device, ep=ep, etp=etp,
         ep_rank=mpu.get_expert_model_parallel_rank(), etp_rank=mpu.get_expert_tensor_parallel_rank(),
-        ep_group=mpu.get_expert_model_parallel_group(), etp_group=mpu.get_expert_tensor_parallel_group())
+        ep_group=mpu.get_expert_model_parallel_group(), etp_group=mpu.get_expert_tensor_parallel_group(),
+        edp_rank=mpu.get_expert_data_parallel_rank())
     log.info("parallel layout tp=%d pp=%d dp=%d ep=%d etp=%d (%s); this rank tp=%d pp=%d dp=%d ep=%d", tp, pp,
              groups.dp, ep, etp, backend, groups.tp_rank, groups.pp_rank, groups.dp_rank, groups.ep_rank)
     return groups

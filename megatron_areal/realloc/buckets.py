@@ -1,9 +1,10 @@
 """This pipeline stage's weights in the inference layout (HF names and shapes), in buckets.
 
 The per-architecture mapping is the conversion's; ``gather.stage_hf_tensors`` gathers one Megatron
-parameter at a time to the stage head and splits it into HF tensors. Every TP rank must run the
-generator to the end, because the gathers are collective; only the stage head receives, so it
-alone holds a bucket (plus the parameter being converted) and the other ranks hold nothing extra.
+parameter at a time to the stage head and splits it into HF tensors. Every rank that holds a
+piece (TP peers, expert-parallel ranks) must run the generator to the end, because the gathers
+are collective; only the stage head receives, so it alone holds a bucket (plus the parameter
+being converted) and the other ranks hold nothing extra.
 
 Flat buckets (SGLang's ``load_format="flattened_bucket"``) pack the tensors' bytes back to back
 into one reused buffer of the bucket size and travel as a single broadcast; otherwise each tensor
@@ -15,8 +16,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.realloc.gather import stage_hf_tensors
 
@@ -49,14 +50,15 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_group: dist.ProcessGroup | None,
-               tp_size: int, *, keep: bool, bucket_bytes: int, flat: bool = True, dtype: torch.dtype | None = None,
+def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups, *, bucket_bytes: int,
+               flat: bool = True, dtype: torch.dtype | None = None,
                device: torch.device | None = None) -> Iterator[Bucket]:
     """This stage's HF tensors in buckets of at most ``bucket_bytes`` (see ``pack_buckets``).
 
-    ``keep=False`` (TP peers of the head) runs the gathers and yields nothing.
+    On the stage head only; the ranks that help with the gathers (TP peers, expert ranks) run it to
+    the end and get nothing.
     """
-    tensors = stage_hf_tensors(chunks, arch, tp_group, tp_size, head=keep, dtype=dtype)
+    tensors = stage_hf_tensors(chunks, arch, groups, dtype=dtype)
     if device is not None:
         tensors = ((name, tensor.to(device)) for name, tensor in tensors)
     return pack_buckets(tensors, bucket_bytes=bucket_bytes, flat=flat)

@@ -1,10 +1,10 @@
 """The disk path: the trainer writes an HF folder, the servers load it with ``/update_weights_from_disk``.
 
-For clusters where the servers cannot join a group with the trainer. Each stage head writes its
-own stage's tensors (TP-gathered, converted with the conversion's mapping) into one safetensors shard of
-a shared folder; rank 0 then adds the index and the non-weight files (config, tokenizer) of the
-model the servers were started from, and renames the folder into place, so a server never sees a
-half-written version.
+For clusters where the servers cannot join a group with the trainer. Each stage head writes its own
+stage's tensors (gathered over TP and the expert ranks, converted with the conversion's mapping)
+into one safetensors shard of a shared folder; rank 0 then adds the index and the non-weight files
+(config, tokenizer) of the model the servers were started from, and renames the folder into place,
+so a server never sees a half-written version.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.hf_io import INDEX, copy_non_weights
-from megatron_areal.realloc.gather import stage_hf_tensors
+from megatron_areal.realloc.gather import is_stage_head, stage_hf_tensors
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,9 @@ def version_dir(root: Path, version: str) -> Path:
 @torch.no_grad()
 def write_stage(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups, out: Path,
                 dtype: torch.dtype | None = None) -> tuple[dict[str, str], int]:
-    """All ranks of replica 0 call this; the stage head writes the shard. Returns ({tensor: file}, bytes)."""
-    if groups.dp_rank != 0:
-        return {}, 0
-    head = groups.tp_rank == 0
-    tensors = {name: t.contiguous().cpu()
-               for name, t in stage_hf_tensors(chunks, arch, groups.tp_group, groups.tp, head=head, dtype=dtype)}
-    if not head:
+    """Every rank calls this; the stage head writes the shard. Returns ({tensor: file}, bytes)."""
+    tensors = {name: t.contiguous().cpu() for name, t in stage_hf_tensors(chunks, arch, groups, dtype=dtype)}
+    if not is_stage_head(groups):
         return {}, 0
     fname = shard_name(groups.pp_rank, groups.pp)
     save_file(tensors, str(out / fname), metadata={"format": "pt"})

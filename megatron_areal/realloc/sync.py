@@ -1,13 +1,14 @@
 """``WeightSync``: push the trainer's current weights to every rollout server after a step.
 
 Every trainer rank creates one and calls ``sync(version)`` together (it is collective over the
-control group, by default the world). The sequence: rank 0 pauses generation on all servers;
-each pipeline stage's head (TP rank 0 of data-parallel replica 0) streams its stage's weights in
-HF layout, bucket by bucket, over its own weight-update group while its TP peers help with the
-gathers and the other replicas wait; the outcome is agreed on by all ranks; rank 0 continues
-generation. A server that dies or stops answering is named, dropped, and the transfer is repeated
-for the remaining servers, so the run goes on. With ``method="disk"`` the weights travel through
-an HF folder on a shared filesystem and ``/update_weights_from_disk`` instead.
+control group, by default the world). The sequence: rank 0 pauses generation on all servers; each
+pipeline stage's head (TP rank 0 of data-parallel replica 0) streams its stage's weights in HF
+layout, bucket by bucket, over its own weight-update group while its TP peers (and, for MoE models,
+the ranks holding the other experts) help with the gathers and the other ranks wait; the outcome is
+agreed on by all ranks; rank 0 continues generation. A server that dies or stops answering is named,
+dropped, and the transfer is repeated for the remaining servers, so the run goes on. With
+``method="disk"`` the weights travel through an HF folder on a shared filesystem and
+``/update_weights_from_disk`` instead.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from megatron_areal.model.arch import ModelArch
 from megatron_areal.realloc.buckets import Bucket, hf_buckets
 from megatron_areal.realloc.config import ReallocConfig
 from megatron_areal.realloc.disk import prune_versions, write_hf_folder
+from megatron_areal.realloc.gather import check_head_holds_first_experts, is_stage_head, takes_part
 from megatron_areal.realloc.link import Pending, StageLink
 from megatron_areal.rollout.fleet import Fleet, normalize_url
 
@@ -117,7 +119,8 @@ class WeightSync:
         self.template_dir = Path(template_dir) if template_dir is not None else None
         self.control_group = control_group
         self.rank0 = dist.get_rank(control_group) == 0
-        self.is_head = groups.tp_rank == 0 and groups.dp_rank == 0
+        self.is_head = is_stage_head(groups)
+        check_head_holds_first_experts(groups)
         self.servers: dict[str, int] = {normalize_url(u): server_tp for u in servers}
         self.lost: dict[str, int] = {}  # dropped servers (url -> tp): re-admitted when they answer again
         self.readmitted = 0  # how many times a dropped server came back
@@ -308,7 +311,7 @@ class WeightSync:
             if stage == self.groups.pp_rank and servers:
                 if self.is_head:
                     link, local.errors = self._link_for(servers, temporary)
-                if self.groups.dp_rank == 0:
+                if takes_part(self.groups):
                     self._stream(link, version, local)
             if self.groups.pp > 1 and stage < self.groups.pp - 1:
                 # later stages leave out the servers that already failed (they would wait for them)
@@ -322,15 +325,14 @@ class WeightSync:
         return outcome
 
     def _stream(self, link: StageLink | None, version: str, local: _Outcome) -> None:
-        """Gather, convert and send this stage's buckets; TP peers only take part in the gathers.
+        """Gather, convert and send this stage's buckets; TP peers and expert ranks only take part in the gathers.
 
         The servers install bucket k while bucket k+1 is being gathered; their replies to k are
         awaited before k+1 is announced, so each group sees one request at a time.
         """
         pending = None
-        buckets = hf_buckets(self.chunks, self.arch, self.groups.tp_group, self.groups.tp, keep=self.is_head,
-                             bucket_bytes=self.config.bucket_bytes, flat=self.config.flattened_bucket,
-                             dtype=self.dtype, device=self.groups.device)
+        buckets = hf_buckets(self.chunks, self.arch, self.groups, bucket_bytes=self.config.bucket_bytes,
+                             flat=self.config.flattened_bucket, dtype=self.dtype, device=self.groups.device)
         clock = time.perf_counter()
         for bucket in buckets:
             local.gather_seconds += time.perf_counter() - clock

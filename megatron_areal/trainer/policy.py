@@ -59,10 +59,6 @@ class Policy:
         from megatron_areal.model.weights import load_hf_weights
         from megatron_areal.realloc.sync import WeightSync
 
-        if cfg.parallel.ep * cfg.parallel.etp > 1:  # realloc gathers TP shards only (realloc/gather.py)
-            raise ValueError(f"parallel.ep={cfg.parallel.ep} / parallel.etp={cfg.parallel.etp}: the weight push to "
-                             "the rollout servers does not yet gather experts over expert-parallel ranks; "
-                             "train MoE models at ep=1, etp=1 (convert and score accept any layout)")
         groups = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, backend=cfg.parallel.backend,
                                ep=cfg.parallel.ep, etp=cfg.parallel.etp)
         hf_dir = resolve_model(cfg.model.path)
