@@ -11,7 +11,6 @@ transformers' on it.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.request
 import zlib
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_realloc import _greedy, _hf_greedy
 from tiny_moe import make_tiny_qwen3_moe
 
 pytestmark = pytest.mark.timeout(600)
@@ -123,26 +123,6 @@ def server(model: Path):
 def _checksums(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/weights_checksum", timeout=60) as r:
         return json.loads(r.read())
-
-
-def _greedy(url: str, prompt: list[int], n: int) -> list[int]:
-    from megatron_areal.rollout.client import RolloutClient
-
-    async def go() -> list[int]:
-        async with RolloutClient(url) as c:
-            r = await c.generate(prompt, {"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
-            return r.output_ids
-
-    return asyncio.run(go())
-
-
-def _hf_greedy(hf_dir: Path, prompt: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("layout,method", [*((layout, "distributed") for layout in LAYOUTS), ((2, 1, 2, 2), "disk")],
