@@ -1,11 +1,19 @@
 """Asynchronous RL (eta = 4) against synchronous RL (eta = 0, no overlap): trained tokens per second.
 
-Both runs are the real main job, ``megatron-areal train``, started one after the other by this
+Every run is the real main job, ``megatron-areal train``, started one after the other by this
 script with the same model, data, seed, sizes and number of training steps (so the same number
-of trained samples); only ``staleness.eta`` / ``staleness.overlap`` differ. Each run is one
-embedded rollout server and one trainer process, each with one thread (``OMP_NUM_THREADS=1``):
-on a 2-core machine that gives one core to generation and one to training, so overlapping them
-is possible at all, and neither run can win by grabbing more cores than the other.
+of trained samples; the script fails, with no RESULT line, if they differ). Each run is one
+embedded rollout server and one trainer process; the arms differ in ``staleness.eta`` /
+``staleness.overlap`` and in the torch threads of each role (``server.threads``,
+``cluster.cpu_threads``, which the launcher turns into each role's ``OMP_NUM_THREADS``):
+
+- ``async``: eta 4 with overlap, one thread per role: on a 2-core machine one core generates
+  while the other trains.
+- ``sync-1t``: eta 0, one thread per role: the same thread budget as ``async``, so one core is
+  idle in every phase. This isolates what overlapping buys, but no synchronous system would be
+  configured this way.
+- ``sync-2t``: eta 0, two threads per role. Generation and training alternate, so each phase gets
+  both cores: the synchronous baseline a user would pick, and the one the RESULT is against.
 
 Workload: a tiny random Llama (``tiny-llama``, 128-token vocabulary) sampled at temperature 1
 on arithmetic prompts. Its output is close to uniform over the vocabulary, so a sample ends
@@ -24,17 +32,29 @@ contexts, and 55 ms at 64 with ~400-token contexts, since attention pads every r
 longest context in the batch), so keeping the batch full buys less than on a GPU; training is
 only about a third of a synchronous step, which caps what overlapping can save; and each weight
 update interrupts the samples in flight, which the server then prefills again. The machine's
-other load changes from run to run, so the pairs are interleaved and repeated, and the result
-is the ratio of the totals.
+other load changes from run to run, so the arms are interleaved (in an order that rotates between
+repeats) and repeated, and the ratios are of the totals. Each run prints the machine's load
+average at its start and end: two threads per role can only help when two cores are free.
 
-Measured per run, over the training loop only (model loading and server start-up are the same
-for both and excluded): wall time (sum of step times), trained tokens/s (response tokens in the
-trained batches), trained samples/s, the trainer's idle fraction (time waiting for a batch) and
-the generator's idle fraction (time the server had no request), step-time weighted.
+Measured per run, over the training loop only (model loading and server start-up are excluded):
+wall time (sum of step times), trained tokens/s (response tokens in the trained batches), trained
+samples/s, the trainer's idle fraction (time waiting for a batch) and the generator's idle
+fraction (time the server had no request), step-time weighted.
 
     python bench/async_vs_sync.py [--steps 20 --batch-size 8 --group-size 4 --max-new-tokens 400]
 
-Last line: ``RESULT async_vs_sync <ratio>`` (trained tokens/s, asynchronous / synchronous).
+Prints ``async / sync-1t`` and ``sync-2t / sync-1t`` as ordinary lines; last line:
+``RESULT async_vs_sync <ratio>`` (trained tokens/s, ``async`` / ``sync-2t``).
+
+Measured once with the defaults (20 steps, 3 repeats, 640 trained samples per run), 2 cores
+shared with other people's jobs (load average 2.8-11.6 at the runs' starts and ends), so the figures are
+indicative only. Trained tokens/s over the three repeats: ``sync-1t`` 729.7, ``sync-2t`` 425.2,
+``async`` 1061.5; async / sync-1t 1.45, RESULT (async / sync-2t) 2.50. ``sync-2t`` was the slowest
+arm in every repeat (0.75, 0.19 and 0.85 of ``sync-1t``), in generation and in training, so on
+this loaded machine giving both cores to each phase did not help the synchronous run and the
+RESULT overstates the gain over the best synchronous setting; async / sync-1t is the stricter
+figure here. Why two threads lost (load from others, or a model too small for two threads, or
+both) was not measured; a quiet machine may rank the synchronous arms differently.
 """
 from __future__ import annotations
 
@@ -56,9 +76,21 @@ from megatron_areal.rundir import RunDir
 MODES = {"sync": {"eta": 0, "overlap": False}, "async": {"eta": 4, "overlap": True}}
 
 
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    mode: str  # a key of MODES
+    threads: int  # torch threads of the server and of the trainer (server.threads, cluster.cpu_threads)
+
+
+# sync-1t has the thread budget of async (one core per role); sync-2t is what a synchronous system
+# would use on 2 cores: each phase (generation, then training) gets both, the other role being idle.
+ARMS = [Arm("sync-1t", "sync", 1), Arm("sync-2t", "sync", 2), Arm("async", "async", 1)]
+
+
 @dataclass
 class RunFigures:
-    mode: str
+    arm: str
     process_s: float  # the whole command, start-up included
     loop_s: float  # the training loop: sum of step times
     steps: int
@@ -72,6 +104,7 @@ class RunFigures:
     truncated: float
     staleness_max: float
     interrupted: float
+    load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at start and end
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,7 +115,7 @@ class RunFigures:
         return self.samples / self.loop_s
 
 
-def run_config(args: argparse.Namespace, mode: str, run_dir: Path, seed: int) -> dict:
+def run_config(args: argparse.Namespace, arm: Arm, run_dir: Path, seed: int) -> dict:
     return {
         "train": {"run_dir": str(run_dir), "steps": args.steps, "eval_every": 0, "seed": seed},
         "model": {"path": args.model, "max_seq_len": args.max_seq_len},
@@ -90,9 +123,10 @@ def run_config(args: argparse.Namespace, mode: str, run_dir: Path, seed: int) ->
         "rollout": {"batch_size": args.batch_size, "group_size": args.group_size,
                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                     "max_concurrent": args.max_concurrent, "filter_equal_rewards": False},
-        "staleness": MODES[mode],
-        "server": {"count": 1, "max_running": args.max_concurrent * args.group_size, "base_port": free_port()},
-        "cluster": {"master_port": free_port()},
+        "staleness": MODES[arm.mode],
+        "server": {"count": 1, "max_running": args.max_concurrent * args.group_size, "base_port": free_port(),
+                   "threads": arm.threads},
+        "cluster": {"master_port": free_port(), "cpu_threads": arm.threads},
         "data": {"train": "arithmetic", "eval": "", "seed": seed},
         "reward": {"workers": 1},
         "checkpoint": {"every": 0},
@@ -100,23 +134,28 @@ def run_config(args: argparse.Namespace, mode: str, run_dir: Path, seed: int) ->
     }
 
 
-def run(args: argparse.Namespace, mode: str, root: Path, seed: int) -> RunFigures:
+def run(args: argparse.Namespace, arm: Arm, root: Path, seed: int) -> RunFigures:
     root.mkdir(parents=True, exist_ok=True)
-    run_dir = root / mode
-    config = root / f"{mode}.yaml"
-    config.write_text(yaml.safe_dump(run_config(args, mode, run_dir, seed)))
+    run_dir = root / arm.name
+    config = root / f"{arm.name}.yaml"
+    config.write_text(yaml.safe_dump(run_config(args, arm, run_dir, seed)))
+    # The launcher sets each role's OMP_NUM_THREADS from server.threads / cluster.cpu_threads; this
+    # only keeps the launcher's own process (and anything it runs in-process) at one thread.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    load0 = os.getloadavg()[0]
     t0 = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "megatron_areal.cli", "train", str(config)], env=env,
                             capture_output=True, text=True, timeout=args.timeout)
     process_s = time.monotonic() - t0
     if result.returncode != 0:
-        raise SystemExit(f"{mode} run failed ({result.returncode}); logs in {RunDir(run_dir).logs}\n"
+        raise SystemExit(f"{arm.name} run failed ({result.returncode}); logs in {RunDir(run_dir).logs}\n"
                          f"{result.stderr[-2000:]}")
-    return figures(mode, run_dir, process_s)
+    f = figures(arm.name, run_dir, process_s)
+    f.load = (load0, os.getloadavg()[0])
+    return f
 
 
-def figures(mode: str, run_dir: Path, process_s: float) -> RunFigures:
+def figures(arm: str, run_dir: Path, process_s: float) -> RunFigures:
     rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
     steps = [r for r in rows if "perf/step_time_s" in r]
     ledger = [json.loads(line) for line in RunDir(run_dir).trained.read_text().splitlines()]
@@ -129,7 +168,7 @@ def figures(mode: str, run_dir: Path, process_s: float) -> RunFigures:
         return sum(r[key] for r in steps) / len(steps)
 
     return RunFigures(
-        mode=mode, process_s=process_s, loop_s=loop_s, steps=len(steps),
+        arm=arm, process_s=process_s, loop_s=loop_s, steps=len(steps),
         samples=sum(len(e["staleness"]) for e in ledger), tokens=sum(r["train/tokens"] for r in steps),
         trainer_idle=sum(r["perf/batch_wait_s"] for r in steps) / loop_s,
         generator_idle=weighted("perf/generator_idle_fraction"),
@@ -155,8 +194,9 @@ def report(results: list[RunFigures]) -> None:
         ("truncated fraction", lambda f: f"{f.truncated:.3f}"),
         ("max staleness trained", lambda f: f"{f.staleness_max:.0f}"),
         ("interrupted fraction (re-prefilled)", lambda f: f"{f.interrupted:.2f}"),
+        ("load average at start / end", lambda f: f"{f.load[0]:.1f} / {f.load[1]:.1f}"),
     ]
-    print(f"{'':36}" + "".join(f"{f.mode:>14}" for f in results), flush=True)
+    print(f"{'':36}" + "".join(f"{f.arm:>14}" for f in results), flush=True)
     for label, fmt in rows:
         print(f"{label:36}" + "".join(f"{fmt(f):>14}" for f in results))
 
@@ -174,27 +214,41 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-concurrent", type=int, default=16, help="groups in flight (async); server slots = x group")
     p.add_argument("--seed", type=int, default=1, help="of the first repeat; repeat i uses seed + i")
-    p.add_argument("--repeats", type=int, default=3, help="sync/async pairs, run interleaved")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the three arms, run interleaved")
     p.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
     p.add_argument("--keep", help="keep the run directories under this folder")
     args = p.parse_args()
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="async_vs_sync-"))
     root.mkdir(parents=True, exist_ok=True)
-    pairs = []
-    # Interleaved, so a change in the machine's load hits both modes; each repeat samples a new
-    # seed (prompts, sampling, initial order), the same for both modes.
+    repeats = []
+    # Interleaved, so a change in the machine's load hits every arm; each repeat samples a new
+    # seed (prompts, sampling, initial order), the same for all arms.
     for i in range(args.repeats):
-        pair = [run(args, mode, root / f"rep{i}", args.seed + i) for mode in MODES]
-        report(pair)
-        pairs.append(pair)
-        print(f"repeat {i}: async/sync trained tokens/s {pair[1].tokens_per_s / pair[0].tokens_per_s:.2f}\n",
-              flush=True)
-    sync_tokens, async_tokens = (sum(p[k].tokens for p in pairs) for k in (0, 1))
-    sync_s, async_s = (sum(p[k].loop_s for p in pairs) for k in (0, 1))
-    print(f"all {args.repeats} repeats: sync {sync_tokens / sync_s:.1f} trained tokens/s over {sync_s:.0f} s, "
-          f"async {async_tokens / async_s:.1f} over {async_s:.0f} s")
-    print(f"RESULT async_vs_sync {(async_tokens / async_s) / (sync_tokens / sync_s):.2f}")
+        # The order rotates from repeat to repeat so that no arm always runs first or last.
+        order = ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]
+        done = {arm.name: run(args, arm, root / f"rep{i}", args.seed + i) for arm in order}
+        figs = [done[arm.name] for arm in ARMS]
+        report(figs)
+        repeats.append(figs)
+        sync1, sync2, asyn = (f.tokens_per_s for f in figs)
+        print(f"repeat {i}: trained tokens/s async/sync-1t {asyn / sync1:.2f}, async/sync-2t {asyn / sync2:.2f}, "
+              f"sync-2t/sync-1t {sync2 / sync1:.2f}\n", flush=True)
+    # The same work in every arm, or the ratios compare different things.
+    bad = [f"repeat {i} {f.arm}: {f.steps} steps / {f.samples} samples"
+           for i, figs in enumerate(repeats) for f in figs
+           if f.steps != args.steps or f.samples != figs[0].samples]
+    if bad:
+        raise SystemExit(f"arms did not train {args.steps} steps of the same number of samples: {'; '.join(bad)}")
+    rate = {}
+    for k, arm in enumerate(ARMS):
+        tokens, loop_s = sum(r[k].tokens for r in repeats), sum(r[k].loop_s for r in repeats)
+        rate[arm.name] = tokens / loop_s
+        print(f"all {args.repeats} repeats, {arm.name} ({arm.mode}, {arm.threads} thread(s) per role): "
+              f"{rate[arm.name]:.1f} trained tokens/s over {loop_s:.0f} s")
+    print(f"sync-2t / sync-1t {rate['sync-2t'] / rate['sync-1t']:.2f}")
+    print(f"async / sync-1t (same threads per role) {rate['async'] / rate['sync-1t']:.2f}")
+    print(f"RESULT async_vs_sync {rate['async'] / rate['sync-2t']:.2f}")
 
 
 if __name__ == "__main__":
