@@ -260,3 +260,36 @@ def test_smollm2_text_prompt_matches_transformers(smollm2, engine_for) -> None:
         lp = torch.log_softmax(hf(torch.tensor([res.all_ids])).logits[0].float(), -1)
     ref_lp = [lp[len(ids) - 1 + k, t].item() for k, t in enumerate(res.output_ids)]
     assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref_lp, strict=True)) <= 1e-4
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch.rms_norm, fp32 weight
+def test_rms_norm_rounds_once_as_sglang_and_the_trainer_do() -> None:
+    """In bf16 the server's RMSNorm is SGLang's default form (scale by the weight in fp32, round
+    once): bitwise what ``torch.rms_norm`` gives the trainer's local-spec norm (bf16 input, fp32 or
+    bf16 weight), and closer to the exact value than transformers' round-twice form."""
+    from megatron_areal.server.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(256, 48, generator=g) * 0.3).bfloat16()
+    w = (1.0 + 0.1 * torch.randn(48, generator=g)).bfloat16()
+    norm = RMSNorm(48, 1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        out = norm(x)
+    assert out.dtype == torch.bfloat16
+    x32 = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    transformers_form = w * x32.bfloat16()
+    # bitwise on the machine this was written on; another CPU's kernel may sum the squares in
+    # another order and round a rare output the other way, so at most 1% may differ (the
+    # transformers form differs in about a quarter of them)
+    for weight in (w, w.float()):  # the trainer's local-spec norm keeps an fp32 weight
+        ref = torch.rms_norm(x, (48,), weight, 1e-6)
+        assert (out != ref).float().mean() <= 0.01
+        assert (transformers_form != ref).float().mean() > 0.1
+    x64 = x.double()
+    exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert (out.double() - exact).norm() < (transformers_form.double() - exact).norm()
+    norm32 = RMSNorm(48, 1e-6)
+    with torch.no_grad():
+        norm32.weight.copy_(w.float())
+        assert torch.equal(norm32(x.float()), w.float() * x32)  # fp32: the two forms are the same

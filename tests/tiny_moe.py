@@ -15,7 +15,10 @@ import torch
 
 
 def make_tiny_qwen3_moe(out_dir: str | Path, *, norm_topk_prob: bool = True, seed: int = 0, num_layers: int = 2,
-                        tie_word_embeddings: bool = False, router_std: float = 1.0) -> Path:
+                        tie_word_embeddings: bool = False, router_std: float = 1.0,
+                        dtype: torch.dtype = torch.float32) -> Path:
+    """Write the model to ``out_dir``; ``dtype`` is the dtype of the written tensors (bf16: the
+    weights every engine loads are exactly representable in bf16, as in released checkpoints)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from megatron_areal.assets import tiny_tokenizer
@@ -37,6 +40,7 @@ def make_tiny_qwen3_moe(out_dir: str | Path, *, norm_topk_prob: bool = True, see
                 p.normal_(0.0, router_std)
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.1)
+    model.to(dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -18,16 +18,25 @@ from megatron_areal.server.moe import GatedMLP, SparseMoE
 
 
 class RMSNorm(nn.Module):
+    """RMS normalisation in fp32, scaled by the weight in fp32 and rounded to the input's dtype once.
+
+    This is SGLang's ``RMSNorm.forward_native`` default and what ``torch.rms_norm`` (the trainer's
+    local-spec norm) computes. Transformers' form instead rounds the normalised input to bf16 and
+    then multiplies by the bf16 weight, rounding twice: in bf16 that is further from the exact
+    value, differs from ``torch.rms_norm`` in about a quarter of the outputs of random inputs, and
+    was about half of the bf16 train/rollout logprob gap left with routing replay (bench/moe_replay.py).
+    In fp32 both forms give the same values.
+    """
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return (x32 * self.weight.float()).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
