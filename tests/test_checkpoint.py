@@ -160,3 +160,45 @@ def test_training_checkpoint_converts_to_hf(reference, tmp_path):
             ids = torch.tensor([seq])
             logp = torch.log_softmax(model(ids).logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
             assert (logp - megatron_logprobs).abs().max().item() <= 1e-4
+
+
+def run_state_views_vs_gather(hf_dir: str) -> dict:
+    """One rank, bf16 weights: the optimizer state a save describes as views of the optimizer's own
+    tensors, against the state Megatron gathers into copies (what it saved before)."""
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.convert import dist_ckpt
+    from megatron_areal.convert.checkpoint import _OPTIMIZER_META, _param_state_as_views
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import unwrap
+
+    arch = load_arch(hf_dir)
+    groups = init_parallel(tp=1, pp=1, backend="gloo", seed=1)
+    actor = Actor(arch, ModelConfig(path=hf_dir, dtype="bfloat16", max_seq_len=64), ParallelConfig(),
+                  OptimizerConfig(lr=1e-3, bf16_rounding="stochastic"), PPOConfig(), groups, seed=1, total_steps=2)
+    actor.ppo_update(_batch(1))
+    model_sd = dist_ckpt.model_sharded_state_dict([unwrap(c) for c in actor.model])
+    out = {"dtype": str(next(actor.model[0].parameters()).dtype), "pairs": []}
+    for sub in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        own = {t.data_ptr() for g in sub.optimizer.param_groups for p in g["params"]
+               for t in (p, *(v for v in sub.optimizer.state[p].values() if v.dim()))}
+        views = _param_state_as_views(sub, model_sd)
+        gathered = sub.sharded_param_state_fully_reshardable(model_sd, False, dict(_OPTIMIZER_META))
+        for (i, a), (j, b) in zip(sorted(views.items()), sorted(gathered.items()), strict=True):
+            for key in sorted(set(a) | set(b)):
+                x, y = a[key], b[key]
+                same_layout = all(getattr(x, a, None) == getattr(y, a, None)  # factories have no shape
+                                  for a in ("global_shape", "global_offset", "axis_fragmentations", "dtype"))
+                out["pairs"].append((i == j, type(x) is type(y), x.key == y.key, x.replica_id == y.replica_id,
+                                     same_layout, torch.equal(x.data, y.data), x.data.data_ptr() in own))
+    teardown_parallel()
+    return out
+
+
+def test_optimizer_state_saved_as_views_equals_megatron_gather(tiny_llama):
+    with WorkerPool(1, timeout_s=300) as one:
+        got = one.run(run_state_views_vs_gather, str(tiny_llama))[0]
+    assert got["dtype"] == "torch.bfloat16"
+    assert got["pairs"] and all(all(p) for p in got["pairs"]), got["pairs"]
