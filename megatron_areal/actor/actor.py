@@ -64,13 +64,17 @@ class Actor:
         if arch.is_moe and groups.tp > 1 and not parallel_cfg.sequence_parallel:
             raise ValueError(f"parallel.sequence_parallel must be true for a MoE model at parallel.tp={groups.tp}: "
                              "megatron-core's MoE layer refuses to train tensor-parallel without it")
+        if arch.is_moe and model_cfg.recompute_activations:
+            raise ValueError("model.recompute_activations is not supported for MoE models: the backward would "
+                             "route the recomputed layers again, outside the rollout's routing replay")
         self.arch, self.model_cfg, self.parallel_cfg = arch, model_cfg, parallel_cfg
         self.ppo_cfg, self.groups = ppo_cfg, groups
         self.dtype = self._dtype(model_cfg.dtype, groups)
         chunks = build_model(arch, tp=groups.tp, pp=groups.pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
                              sequence_parallel=parallel_cfg.sequence_parallel, dtype=self.dtype, seed=seed,
                              device=groups.device, transformer_impl=model_cfg.transformer_impl, ep=groups.ep,
-                             etp=groups.etp, etp_rank=groups.etp_rank, aux_loss_coef=model_cfg.router_aux_loss_coef)
+                             etp=groups.etp, etp_rank=groups.etp_rank, aux_loss_coef=model_cfg.router_aux_loss_coef,
+                             recompute=model_cfg.recompute_activations)
         state = build_train_state(chunks, optimizer_cfg, groups, total_steps * ppo_cfg.n_minibatches)
         self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
         self._reference: list[torch.Tensor] | None = None

@@ -22,6 +22,9 @@ class ModelConfig:
     # MoE models: coefficient of the router's load-balancing loss; None takes the HF config's
     # router_aux_loss_coef, 0 turns the loss off
     router_aux_loss_coef: float | None = None
+    # dense models: keep only each transformer layer's input for the backward and recompute the layer
+    # there; the same gradients for one more forward (SmolLM2 main job: step peak 4.0 -> 3.3 GiB, +17% time)
+    recompute_activations: bool = False
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""

@@ -177,8 +177,10 @@ def moe_config(arch: ModelArch, *, ep: int = 1, etp: int = 1, aux_loss_coef: flo
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                        dtype: torch.dtype = torch.float32, on_gpu: bool = False,
                        p2p_batched: bool = True, ep: int = 1, etp: int = 1,
-                       aux_loss_coef: float | None = None) -> TransformerConfig:
-    """The TransformerConfig of ``arch``; fusions that need TE/Apex/CUDA stay off."""
+                       aux_loss_coef: float | None = None, recompute: bool = False) -> TransformerConfig:
+    """The TransformerConfig of ``arch``; fusions that need TE/Apex/CUDA stay off. ``recompute``: keep
+    only each layer's input for the backward and recompute the layer there (Megatron's full, uniform
+    recomputation, one layer at a time; the same gradients for one more forward)."""
     check_layout(arch, tp, pp, ep, etp)
     moe = moe_config(arch, ep=ep, etp=etp, aux_loss_coef=aux_loss_coef)
     # every layer of a supported MoE model is a MoE layer: its expert width is the only MLP width
@@ -199,6 +201,8 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_pa
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute
+           else {}),
         **({"moe_token_dispatcher_type": "alltoall"} | moe),
     )
 
@@ -271,12 +275,13 @@ def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, seed: int = 1,
                 device: torch.device | None = None, use_te: bool | None = None,
                 transformer_impl: str = "auto", ep: int = 1, etp: int = 1, etp_rank: int = 0,
-                aux_loss_coef: float | None = None) -> list[GPTModel]:
+                aux_loss_coef: float | None = None, recompute: bool = False) -> list[GPTModel]:
     """The GPTModel chunk of pipeline stage ``pp_rank``, randomly initialised from ``seed``.
 
     Needs Megatron's parallel state for (tp, pp, ep, etp) initialised (``actor.parallel.init_parallel``).
     The same seed gives the same full model at any TP/PP layout (``init_weights``). ``use_te``
-    forces the spec (benchmarks compare both); otherwise ``transformer_impl`` decides.
+    forces the spec (benchmarks compare both); otherwise ``transformer_impl`` decides. ``recompute``:
+    activation recomputation (``transformer_config``).
     """
     device = device or torch.device("cpu")
     on_gpu = device.type == "cuda"
@@ -289,7 +294,8 @@ def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
     if arch.is_moe:
         ensure_router_gemm_fallback()
     config = transformer_config(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype,
-                                on_gpu=on_gpu, p2p_batched=on_gpu, ep=ep, etp=etp, aux_loss_coef=aux_loss_coef)
+                                on_gpu=on_gpu, p2p_batched=on_gpu, ep=ep, etp=etp, aux_loss_coef=aux_loss_coef,
+                                recompute=recompute)
     torch.manual_seed(seed)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(arch, use_te),

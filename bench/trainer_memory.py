@@ -1,0 +1,177 @@
+"""Trainer memory by phase: resident set of one trainer rank with the main job's shapes.
+
+Builds the actor the way ``trainer/policy.py`` does (SmolLM2-135M, ``configs/smollm2_arith.yaml``:
+bf16 weights, Megatron's distributed optimizer, stochastic bf16 rounding, one rank), then runs
+PPO steps on main-job-shaped batches (6 prompts x 8 samples of real arithmetic prompts, outputs of
+up to 48 tokens) and saves checkpoints, printing after each phase the current resident set
+(``VmRSS``), the phase's own peak (``VmHWM``, reset before each phase through
+``/proc/self/clear_refs``) and the process peak (``perf/trainer_peak_rss_gb`` logs ``ru_maxrss``,
+which that reset clears too, so the bench keeps the maximum itself). The trainer's malloc settings
+(trainer/memory.py) apply unless ``--glibc-defaults``. No rollout servers: the weight push is not
+measured, nor rank 0's rollout controller and reward pool.
+
+    python bench/trainer_memory.py [--steps 2] [--saves 1] [--threads 2] [--config configs/smollm2_arith.yaml]
+                                   [--glibc-defaults] [key=value ...]
+
+The last line is ``RESULT trainer_peak_rss_gb <process peak in GiB>``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package from this checkout
+
+_T0 = time.monotonic()
+
+
+def _status(key: str) -> float:
+    """A ``/proc/self/status`` size in GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+    except OSError:
+        pass
+
+
+_PEAK = [0.0]  # the process peak: clearing VmHWM also clears ru_maxrss, so it is kept here
+
+
+def phase(name: str) -> None:
+    """Print the resident set now, the peak since the previous phase and the process peak (GiB)."""
+    peak = max(_status("VmHWM"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    _PEAK[0] = max(_PEAK[0], peak)
+    print(f"{name:<28} rss {_status('VmRSS'):6.2f}  phase peak {peak:6.2f}  "
+          f"process peak {_PEAK[0]:6.2f}  GiB  ({time.monotonic() - _T0:5.0f} s)", flush=True)
+    if os.environ.get("BENCH_TRIM"):
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        print(f"{'':<28} rss {_status('VmRSS'):6.2f}  after malloc_trim", flush=True)
+    _reset_peak()
+
+
+def main_job_batch(tokenizer, prompts, seed: int, n_prompts: int, group: int, max_new: int):
+    """``n_prompts`` x ``group`` trajectories on real prompts, random outputs of 8..``max_new`` tokens
+    (about half at the cap, as the main job's early steps), rewards split in every group."""
+    from megatron_areal.data.template import encode_prompt
+    from megatron_areal.rollout.trajectory import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_prompts):
+        ids = encode_prompt(tokenizer, prompts[rng.randrange(len(prompts))], True)
+        for k in range(group):
+            n = max_new if rng.random() < 0.5 else rng.randint(8, max_new)
+            output = [rng.randrange(tokenizer.vocab_size) for _ in range(n)]
+            out.append(Trajectory(prompt_ids=ids, output_ids=output,
+                                  output_logprobs=[-rng.uniform(0.5, 3.0) for _ in range(n)],
+                                  output_versions=[0] * n, group_id=g, reward=float(k % 2)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/smollm2_arith.yaml")
+    ap.add_argument("overrides", nargs="*", help="key=value, as for megatron-areal train")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--saves", type=int, default=1, help="checkpoints saved after the steps")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--glibc-defaults", action="store_true",
+                    help="skip the trainer's malloc settings (megatron_areal/trainer/memory.py)")
+    args = ap.parse_args()
+    if not args.glibc_defaults:
+        from megatron_areal.trainer.memory import return_freed_memory
+        return_freed_memory()  # as the trainer's entry point does
+    torch_threads = str(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", torch_threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    _reset_peak()
+    phase("start")
+    import torch
+    from transformers import AutoTokenizer
+
+    from megatron_areal.actor import actor as actor_mod
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.parallel import init_parallel
+    from megatron_areal.assets import resolve_model
+    from megatron_areal.config import load_config
+    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.data.tasks import load_datasets
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
+    torch.set_num_threads(args.threads)
+    phase("import")
+
+    cfg = load_config(args.config, args.overrides)
+    groups = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, backend=cfg.parallel.backend)
+    hf_dir = resolve_model(cfg.model.path)
+    arch = load_arch(hf_dir)
+    build_train_state = actor_mod.build_train_state
+
+    def timed_train_state(*a, **kw):
+        phase("model build")
+        return build_train_state(*a, **kw)
+
+    actor_mod.build_train_state = timed_train_state
+    actor = Actor(arch, cfg.model, cfg.parallel, cfg.optimizer, cfg.ppo, groups, seed=cfg.train.seed,
+                  total_steps=cfg.train.steps)
+    actor_mod.build_train_state = build_train_state
+    phase("optimizer build")
+    load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
+    phase("HF weights loaded")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    train_prompts, _ = load_datasets(cfg.data)
+    phase("tokenizer + data")
+
+    step = actor.optimizer.step
+
+    def timed_step():
+        phase("  forward+backward")
+        out = step()
+        return out
+
+    actor.optimizer.step = timed_step
+    for i in range(args.steps):
+        batch = main_job_batch(tokenizer, train_prompts, i, cfg.rollout.batch_size, cfg.rollout.group_size,
+                               cfg.rollout.max_new_tokens)
+        if i == 0:
+            lengths = sorted(len(t.input_ids) for t in batch)
+            print(f"batch: {len(batch)} sequences, {sum(lengths)} tokens, lengths {lengths[0]}..{lengths[-1]}")
+        actor.compute_logprobs([t.input_ids for t in batch], cfg.rollout.temperature)
+        phase(f"step {i + 1} forward only")
+        stats = actor.ppo_update(batch, cfg.rollout.temperature, version=i)
+        phase(f"  optimizer step ({stats['n_microbatches']:.0f} mb)")
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Checkpointer(tmp, arch, groups, keep=1, hf_dir=hf_dir)
+        for k in range(args.saves):
+            ckpt.save(args.steps + k, actor.model, actor.optimizer, actor.scheduler, extra={"version": 1})
+            phase(f"checkpoint save {k + 1}")
+    if args.saves:
+        batch = main_job_batch(tokenizer, train_prompts, 99, cfg.rollout.batch_size, cfg.rollout.group_size,
+                               cfg.rollout.max_new_tokens)
+        actor.ppo_update(batch, cfg.rollout.temperature, version=args.steps)
+        phase("step after save")
+    print(f"RESULT trainer_peak_rss_gb {_PEAK[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

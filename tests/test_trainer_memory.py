@@ -1,0 +1,57 @@
+"""What the trainer does to hold less memory changes no number of the training.
+
+- ``model.recompute_activations``: one decoupled-PPO step (bf16 weights, distributed optimizer,
+  stochastic rounding, several micro-batches) with activation recomputation gives the same weights,
+  bit for bit, as without;
+- ``trainer/memory.py``: the malloc settings apply on glibc.
+(The checkpoint's optimizer state saved as views: tests/test_checkpoint.py.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_actor_parallel import ARCHS, Group, _trajectories
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def case_step(recompute: bool) -> list[torch.Tensor]:
+    """The bf16 weights after one PPO step of a tiny Llama, with or without recomputation."""
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+
+    groups = init_parallel(1, 1, seed=3, backend="gloo")
+    actor = Actor(ARCHS["llama"], ModelConfig(max_seq_len=40, dtype="bfloat16", recompute_activations=recompute),
+                  ParallelConfig(tp=1, pp=1, max_tokens_per_mb=48),
+                  OptimizerConfig(lr=1e-3, bf16_rounding="stochastic"), PPOConfig(), groups, seed=3, total_steps=2)
+    assert actor.model[0].config.recompute_granularity == ("full" if recompute else None)
+    stats = actor.ppo_update(_trajectories(), 0.7)
+    assert stats["n_microbatches"] > 1
+    weights = [p.detach().clone() for c in actor.model for p in c.parameters()]
+    teardown_parallel()
+    return weights
+
+
+def test_recomputation_changes_no_weight():
+    group = Group(1)
+    try:
+        group.submit(case_step, recompute=False)
+        plain = group.collect()[0]
+        group.submit(case_step, recompute=True)
+        recomputed = group.collect()[0]
+    finally:
+        group.close()
+    assert plain[0].dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
+
+
+def test_malloc_settings_apply_on_glibc():
+    import platform
+
+    from megatron_areal.trainer.memory import return_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    assert return_freed_memory()
