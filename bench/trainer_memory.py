@@ -1,14 +1,14 @@
 """Trainer memory by phase: resident set of one trainer rank with the main job's shapes.
 
 Builds the actor the way ``trainer/policy.py`` does (SmolLM2-135M, ``configs/smollm2_arith.yaml``:
-bf16 weights, Megatron's distributed optimizer, stochastic bf16 rounding, one rank), then runs
-PPO steps on main-job-shaped batches (6 prompts x 8 samples of real arithmetic prompts, outputs of
-up to 48 tokens) and saves checkpoints, printing after each phase the current resident set
-(``VmRSS``), the phase's own peak (``VmHWM``, reset before each phase through
-``/proc/self/clear_refs``) and the process peak (``perf/trainer_peak_rss_gb`` logs ``ru_maxrss``,
-which that reset clears too, so the bench keeps the maximum itself). The trainer's malloc settings
-(trainer/memory.py) apply unless ``--glibc-defaults``. No rollout servers: the weight push is not
-measured, nor rank 0's rollout controller and reward pool.
+bf16 weights, Megatron's distributed optimizer, stochastic bf16 rounding, one rank), then runs PPO
+steps on main-job-shaped batches (6 prompts x 8 samples of real arithmetic prompts, outputs of up to
+48 tokens) and saves checkpoints, printing after each phase the current resident set (``VmRSS``),
+the phase's own peak (``VmHWM``, reset before each phase through ``/proc/self/clear_refs``) and the
+process peak (``perf/trainer_peak_rss_gb`` logs ``ru_maxrss``, which that reset clears too, so the
+bench keeps the maximum itself). After each step and save the bench releases freed heap memory as
+the trainer does (trainer/memory.py) unless ``--glibc-defaults``. No rollout servers: the weight
+push is not measured, nor rank 0's rollout controller and reward pool.
 
     python bench/trainer_memory.py [--steps 2] [--saves 1] [--threads 2] [--config configs/smollm2_arith.yaml]
                                    [--glibc-defaults] [key=value ...]
@@ -58,10 +58,6 @@ def phase(name: str) -> None:
     _PEAK[0] = max(_PEAK[0], peak)
     print(f"{name:<28} rss {_status('VmRSS'):6.2f}  phase peak {peak:6.2f}  "
           f"process peak {_PEAK[0]:6.2f}  GiB  ({time.monotonic() - _T0:5.0f} s)", flush=True)
-    if os.environ.get("BENCH_TRIM"):
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        print(f"{'':<28} rss {_status('VmRSS'):6.2f}  after malloc_trim", flush=True)
     _reset_peak()
 
 
@@ -92,11 +88,8 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=1, help="checkpoints saved after the steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--glibc-defaults", action="store_true",
-                    help="skip the trainer's malloc settings (megatron_areal/trainer/memory.py)")
+                    help="skip the trainer's release of freed memory (megatron_areal/trainer/memory.py)")
     args = ap.parse_args()
-    if not args.glibc_defaults:
-        from megatron_areal.trainer.memory import return_freed_memory
-        return_freed_memory()  # as the trainer's entry point does
     torch_threads = str(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", torch_threads)
     with socket.socket() as s:
@@ -118,8 +111,13 @@ def main() -> None:
     from megatron_areal.data.tasks import load_datasets
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
+    from megatron_areal.trainer.memory import release_freed_memory
     torch.set_num_threads(args.threads)
     phase("import")
+
+    def release() -> None:  # between steps and after a save, as trainer/policy.py does
+        if not args.glibc_defaults:
+            release_freed_memory()
 
     cfg = load_config(args.config, args.overrides)
     groups = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, backend=cfg.parallel.backend)
@@ -159,11 +157,13 @@ def main() -> None:
         actor.compute_logprobs([t.input_ids for t in batch], cfg.rollout.temperature)
         phase(f"step {i + 1} forward only")
         stats = actor.ppo_update(batch, cfg.rollout.temperature, version=i)
+        release()
         phase(f"  optimizer step ({stats['n_microbatches']:.0f} mb)")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Checkpointer(tmp, arch, groups, keep=1, hf_dir=hf_dir)
         for k in range(args.saves):
             ckpt.save(args.steps + k, actor.model, actor.optimizer, actor.scheduler, extra={"version": 1})
+            release()
             phase(f"checkpoint save {k + 1}")
     if args.saves:
         batch = main_job_batch(tokenizer, train_prompts, 99, cfg.rollout.batch_size, cfg.rollout.group_size,

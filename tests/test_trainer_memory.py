@@ -3,7 +3,7 @@
 - ``model.recompute_activations``: one decoupled-PPO step (bf16 weights, distributed optimizer,
   stochastic rounding, several micro-batches) with activation recomputation gives the same weights,
   bit for bit, as without;
-- ``trainer/memory.py``: the malloc settings apply on glibc.
+- ``trainer/memory.py``: freed memory is released on glibc.
 (The checkpoint's optimizer state saved as views: tests/test_checkpoint.py.)
 """
 from __future__ import annotations
@@ -47,11 +47,11 @@ def test_recomputation_changes_no_weight():
     assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
 
 
-def test_malloc_settings_apply_on_glibc():
+def test_freed_memory_is_released_on_glibc():
     import platform
 
-    from megatron_areal.trainer.memory import return_freed_memory
+    from megatron_areal.trainer.memory import release_freed_memory
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")
-    assert return_freed_memory()
+    assert release_freed_memory()

@@ -17,7 +17,6 @@ from megatron_areal.launch.plan import Plan
 from megatron_areal.launch.registry import wait_for_servers
 from megatron_areal.launch.secrets import apply_env_api_key
 from megatron_areal.rundir import RunDir
-from megatron_areal.trainer.memory import return_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return_freed_memory()  # before the first tensor: steps and checkpoints leave no fragmented heap behind
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")

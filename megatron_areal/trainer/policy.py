@@ -20,6 +20,7 @@ from megatron_areal.launch.control import ask_to_resume
 from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.rundir import RunDir
+from megatron_areal.trainer.memory import release_freed_memory
 
 if TYPE_CHECKING:
     from megatron_areal.actor.actor import Actor
@@ -92,7 +93,9 @@ class Policy:
 
     def train(self, batch: list[Trajectory]) -> dict[str, float]:
         """One PPO update on ``batch`` (collective); returns the step's statistics."""
-        return self.actor.ppo_update(batch, self.cfg.rollout.temperature, version=self.version)
+        stats = self.actor.ppo_update(batch, self.cfg.rollout.temperature, version=self.version)
+        release_freed_memory()  # the step's activations, or the heap keeps the busiest step's size
+        return stats
 
     def push(self, rollout_state: RolloutState) -> SyncResult:
         """Push the trained weights as ``version + 1`` and advance. A failed push saves the trained
@@ -125,6 +128,7 @@ class Policy:
         dist.broadcast_object_list(payload, src=0)  # every rank writes the same common state
         self.checkpoints.save(step, self.actor.model, self.actor.optimizer, self.actor.scheduler,
                               extra={"version": version, "rollout": payload[0]})
+        release_freed_memory()
         self.saved_step = step
 
     def close(self) -> None:
