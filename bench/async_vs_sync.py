@@ -55,7 +55,9 @@ indicative only. Trained tokens/s over the three repeats: ``sync-1t`` 729.7, ``s
 faster synchronous arm). ``sync-2t`` was the slowest arm in every repeat (0.75, 0.19 and 0.85 of
 ``sync-1t``), in generation and in training: on this loaded machine giving both cores to each
 phase did not help the synchronous run. Why two threads lost (load from others, or a model too small for two threads, or
-both) was not measured; a quiet machine may rank the synchronous arms differently.
+both) was not measured. On a quiet machine (``--repeats 1``, load 0.4-1.5, at 9c87e31) the ranking
+turned: ``sync-1t`` 1618.8, ``sync-2t`` 1698.0, ``async`` 2541.5 trained tokens/s; RESULT 1.50
+against ``sync-2t`` (async / sync-1t 1.57).
 """
 from __future__ import annotations
 
