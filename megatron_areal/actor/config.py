@@ -23,7 +23,8 @@ class ModelConfig:
     # router_aux_loss_coef, 0 turns the loss off
     router_aux_loss_coef: float | None = None
     # dense models: keep only each transformer layer's input for the backward and recompute the layer
-    # there; the same gradients for one more forward (SmolLM2 main job: step peak 4.0 -> 3.3 GiB, +17% time)
+    # there; the same gradients for one more forward (SmolLM2 main-job shapes: step peak about 0.6 GiB
+    # lower, +17% time; bench/trainer_memory.py)
     recompute_activations: bool = False
 
     def validate(self) -> None:

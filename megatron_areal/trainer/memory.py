@@ -17,9 +17,6 @@ GiB at 64 KiB) but doubled the step time (45 s: a mapping and its page faults pe
 from __future__ import annotations
 
 import ctypes
-import logging
-
-log = logging.getLogger(__name__)
 
 
 def _libc() -> ctypes.CDLL | None:
