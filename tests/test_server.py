@@ -240,8 +240,13 @@ def test_queue_full_answers_503(models) -> None:
             queued = ex.submit(call, srv.url, "/generate", long, key=None)
             _wait_running(srv.url, 1, field="num_waiting_reqs")
             with paused(srv.url):  # the first request keeps the only slot however fast the machine decodes
-                status, reply = call(srv.url, "/generate", long, key=None)
-                assert status == 503 and "queue full" in reply["error"]["message"], (status, reply)
+                loads = call(srv.url, "/v1/loads")[1]["loads"][0]
+                try:
+                    status, reply = call(srv.url, "/generate", long, key=None, timeout=20)
+                except TimeoutError:  # queued (the engine does not step while paused): say what it saw
+                    status, reply = None, "no reply in 20 s"
+                seen = (status, reply, loads, "first done" if first.done() else "first running")
+                assert status == 503 and "queue full" in reply["error"]["message"], seen
             assert call(srv.url, "/abort_request", {"abort_all": True}, key=None)[0] == 200
             assert first.result(60)[0] == 200 and queued.result(60)[0] == 200
         ok = call(srv.url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}, key=None)
