@@ -31,6 +31,15 @@ def test_rounds_to_a_neighbour_with_the_remainder_as_probability():
     assert abs(float((ups / 400 - p_up).mean())) < 0.005
 
 
+def test_rounding_in_chunks_draws_the_same_as_in_one_piece():
+    x = torch.randn(10_007) * 0.05
+    whole, pieces = torch.empty(10_007, dtype=torch.bfloat16), torch.empty(10_007, dtype=torch.bfloat16)
+    stochastic_round_(whole, x, torch.Generator().manual_seed(5), chunk=1 << 20)
+    stochastic_round_(pieces, x, torch.Generator().manual_seed(5), chunk=1000)
+    assert torch.equal(whole.view(torch.int16), pieces.view(torch.int16))
+    assert not torch.equal(whole, x.to(torch.bfloat16))  # not simply nearest rounding
+
+
 def test_mean_of_many_roundings_is_the_value_where_nearest_rounding_is_stuck():
     g = torch.Generator().manual_seed(1)
     ulp = 2.0 ** -7  # bf16's spacing on [1, 2)
