@@ -16,7 +16,7 @@ import torch
 
 def make_tiny_qwen3_moe(out_dir: str | Path, *, norm_topk_prob: bool = True, seed: int = 0, num_layers: int = 2,
                         tie_word_embeddings: bool = False, router_std: float = 1.0,
-                        dtype: torch.dtype = torch.float32) -> Path:
+                        dtype: torch.dtype = torch.float32, num_experts: int = 8, top_k: int = 2) -> Path:
     """Write the model to ``out_dir``; ``dtype`` is the dtype of the written tensors (bf16: the
     weights every engine loads are exactly representable in bf16, as in released checkpoints)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -26,7 +26,7 @@ def make_tiny_qwen3_moe(out_dir: str | Path, *, norm_topk_prob: bool = True, see
     tokenizer = tiny_tokenizer(130)
     config = Qwen3MoeConfig(
         vocab_size=130, hidden_size=48, intermediate_size=96, moe_intermediate_size=40, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=num_experts, num_experts_per_tok=top_k,
         norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.01, max_position_embeddings=256, rms_norm_eps=1e-6,
         rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
