@@ -156,9 +156,9 @@ def main() -> None:
             out = pool.run(_arms, str(hf_dir), prompts, args.new_tokens, args.temperature)[0]
 
     off, on = out[False], out[True]
-    print(f"tiny Qwen3-MoE ({args.experts} experts, top-{args.top_k}, {args.layers} layers, router std {args.router_std}); "
-          f"{out['n_tokens']} sampled "
-          f"tokens ({args.prompts} prompts x {args.new_tokens}, temperature {args.temperature}); "
+    print(f"tiny Qwen3-MoE ({args.experts} experts, top-{args.top_k}, {args.layers} layers, "
+          f"router std {args.router_std}); {out['n_tokens']} sampled tokens "
+          f"({args.prompts} prompts x {args.new_tokens}, temperature {args.temperature}); "
           f"{args.checkpoint_dtype} checkpoint")
     print(f"dtype: server {out['server_dtype']}, trainer {out['trainer_dtype']}")
     print(f"{'':34s}{'without replay':>16s}{'with replay':>16s}")
