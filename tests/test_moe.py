@@ -182,7 +182,9 @@ def _trajectories(n: int = 8) -> list:
 
 def case_actor(hf_dir: str, tp: int, pp: int, ep: int, n_trajectories: int = 8, n_minibatches: int = 2,
                aux_coef: float | None = None) -> dict:
-    """Worker: logprobs, one decoupled-PPO update, logprobs again, at one layout (distributed optimizer)."""
+    """Worker: logprobs, one decoupled-PPO update, logprobs again, at one layout (distributed optimizer).
+    ``trained``: the training pass's micro-batches on this rank, as (sequence ids, packed length)."""
+    from megatron_areal.actor import actor as actor_module
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
@@ -200,10 +202,20 @@ def case_actor(hf_dir: str, tp: int, pp: int, ep: int, n_trajectories: int = 8, 
     trajs = _trajectories(n_trajectories)
     seqs = [t.input_ids for t in trajs]
     before = actor.compute_logprobs(seqs)
+    trained, run = [], actor_module.run_microbatches
+
+    def recording(model, batches, *a, forward_only, **kw):
+        if not forward_only:
+            trained.extend((mb.seq_ids, mb.n_tokens) for mb in batches)
+        return run(model, batches, *a, forward_only=forward_only, **kw)
+
+    actor_module.run_microbatches = recording
     stats = actor.ppo_update(trajs)
+    actor_module.run_microbatches = run
     after = actor.compute_logprobs(seqs)
     teardown_parallel()
-    return {"before": [x.tolist() for x in before], "after": [x.tolist() for x in after], "stats": stats}
+    return {"before": [x.tolist() for x in before], "after": [x.tolist() for x in after], "stats": stats,
+            "trained": trained, "dp_head": g.tp_rank == 0 and g.pp_rank == 0}
 
 
 def _diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -242,29 +254,51 @@ def test_ppo_step_at_expert_parallel_layouts_matches_one_expert_rank(tiny_moe, p
     assert max(worst.values()) <= 2e-5, worst
 
 
-def test_aux_loss_is_the_switch_loss_of_the_routers(tiny_moe, pool):
-    """One sequence per rank in one micro-batch: the reported load-balancing loss equals
-    E * sum_e f_e * P_e (f: fraction of routed slots, P: mean router probability) computed from
-    transformers' router logits, averaged over layers and ranks."""
+def _switch_loss(hf_dir, trajectories: list, microbatches: list[list[int]]) -> float:
+    """E * sum_e f_e * P_e (f: fraction of routed slots, P: mean router probability) over the tokens of
+    each micro-batch, from transformers' router logits; the mean over layers and micro-batches."""
     from transformers import AutoModelForCausalLM
 
-    out = pool.run(case_actor, str(tiny_moe), 1, 1, 1, n_trajectories=4, n_minibatches=1, aux_coef=0.5)
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
-    arch = load_arch(tiny_moe)
-    per_seq = []
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    arch = load_arch(hf_dir)
     with torch.no_grad():
-        for t in _trajectories(4):
-            logits = model(torch.tensor([t.input_ids]), output_router_logits=True).router_logits
-            layers = []
-            for lg in logits:
-                probs = torch.softmax(lg.float(), dim=-1)
-                chosen = torch.zeros_like(probs).scatter(1, probs.topk(arch.num_experts_per_tok, dim=-1).indices, 1.0)
-                n = probs.shape[0]
-                f = chosen.sum(0) / (n * arch.num_experts_per_tok)
-                layers.append(float(arch.num_experts * (f * probs.sum(0) / n).sum()))
-            per_seq.append(sum(layers) / len(layers))
-    want = sum(per_seq) / len(per_seq)
+        router = [model(torch.tensor([t.input_ids]), output_router_logits=True).router_logits for t in trajectories]
+    losses = []
+    for ids in microbatches:
+        layers = []
+        for layer in range(arch.num_layers):
+            probs = torch.softmax(torch.cat([router[i][layer] for i in ids]).float(), dim=-1)
+            chosen = torch.zeros_like(probs).scatter(1, probs.topk(arch.num_experts_per_tok, dim=-1).indices, 1.0)
+            n = probs.shape[0]
+            f = chosen.sum(0) / (n * arch.num_experts_per_tok)
+            layers.append(float(arch.num_experts * (f * probs.sum(0) / n).sum()))
+        losses.append(sum(layers) / len(layers))
+    return sum(losses) / len(losses)
+
+
+def test_aux_loss_is_the_switch_loss_of_the_routers(tiny_moe, pool):
+    """One sequence per rank in one micro-batch: the reported load-balancing loss equals the switch
+    loss computed from transformers' router logits, averaged over layers and ranks."""
+    out = pool.run(case_actor, str(tiny_moe), 1, 1, 1, n_trajectories=4, n_minibatches=1, aux_coef=0.5)
+    trained = [ids for r in out for ids, _ in r["trained"]]
+    assert sorted(trained) == [[0], [1], [2], [3]]
+    want = _switch_loss(tiny_moe, _trajectories(4), trained)
     assert out[0]["stats"]["moe_aux_loss"] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_aux_loss_leaves_out_sequence_parallel_padding(tiny_moe, pool, tp, pp):
+    """TP2 with sequence parallelism pads each packed micro-batch to an even length; the padding
+    tokens are not the policy's and must not count in the load-balancing loss (Megatron's
+    ``padding_mask``; at PP2 the second stage gets its sequence-parallel slice of the mask): the
+    loss is the switch loss of the micro-batches' real tokens."""
+    out = pool.run(case_actor, str(tiny_moe), tp, pp, 1, n_trajectories=4, n_minibatches=1, aux_coef=0.5)
+    trained = [mb for r in out if r["dp_head"] for mb in r["trained"]]
+    padded = [ids for ids, n in trained if n > sum(len(_trajectories(4)[i].input_ids) for i in ids)]
+    assert padded, f"no micro-batch was padded: {trained}"
+    want = _switch_loss(tiny_moe, _trajectories(4), [ids for ids, _ in trained])
+    for r in out:
+        assert r["stats"]["moe_aux_loss"] == pytest.approx(want, rel=1e-5)
 
 
 # ---------------------------------------------------------------- routing replay (R3) and the routing mismatch

@@ -29,6 +29,24 @@ def _on_last_stage(mb: PackedMicroBatch, groups: ParallelGroups, vocab_size: int
     return loss_fn(mb, logprobs, entropy)
 
 
+def _router_padding(chunk: torch.nn.Module, mb: PackedMicroBatch, groups: ParallelGroups) -> dict[str, Any]:
+    """``padding_mask`` for a MoE chunk whose micro-batch ends in padding (sequence parallelism pads
+    to a multiple of TP), so the routers' load-balancing loss counts only the sequences' tokens.
+
+    The first stage gets the whole mask (GPTModel scatters it with the embeddings); later stages
+    get their sequence-parallel slice, as their hidden states are. A micro-batch of padding only
+    (DP lock step) keeps no mask: Megatron's loss over zero tokens would be 0/0.
+    """
+    config = chunk.config
+    if not config.num_moe_experts or mb.n_real_tokens in (0, mb.n_tokens):
+        return {}
+    mask = mb.padding_mask()
+    if config.sequence_parallel and not getattr(chunk.module, "pre_process", True):
+        local = mb.n_tokens // groups.tp
+        mask = mask[:, groups.tp_rank * local:(groups.tp_rank + 1) * local]
+    return {"padding_mask": mask}
+
+
 def run_microbatches(model: list[torch.nn.Module], batches: list[PackedMicroBatch], groups: ParallelGroups, *,
                      vocab_size: int, temperature: float, loss_fn: LossFn,
                      forward_only: bool, route_hook: Any = None) -> list[dict[str, Any]]:
@@ -46,7 +64,8 @@ def run_microbatches(model: list[torch.nn.Module], batches: list[PackedMicroBatc
         mb = next(data_iterator)
         if route_hook is not None:
             route_hook.before(chunk, mb.routes)
-        out = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        out = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(),
+                    **_router_padding(chunk, mb, groups))
         if route_hook is not None:
             route_hook.after(chunk, mb.routes)
         return out, functools.partial(_on_last_stage, mb, groups, vocab_size, temperature, loss_fn)

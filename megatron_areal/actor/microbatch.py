@@ -39,6 +39,13 @@ class PackedMicroBatch:
     def n_tokens(self) -> int:
         return self.tokens.size(1)
 
+    def padding_mask(self) -> torch.Tensor:
+        """``[1, T]`` bool, True at the padding appended after the sequences (Megatron's MoE routers
+        leave those tokens out of the load-balancing loss)."""
+        mask = torch.zeros_like(self.tokens, dtype=torch.bool)
+        mask[:, self.n_real_tokens:] = True
+        return mask
+
     def packed_seq_params(self) -> PackedSeqParams:
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
