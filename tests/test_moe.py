@@ -286,6 +286,18 @@ def test_aux_loss_is_the_switch_loss_of_the_routers(tiny_moe, pool):
     assert out[0]["stats"]["moe_aux_loss"] == pytest.approx(want, rel=1e-5)
 
 
+def test_aux_loss_leaves_out_padding_only_microbatches(tiny_moe, pool):
+    """Three sequences over four data-parallel ranks: the fourth rank trains a micro-batch of padding
+    only (to stay in step with the others). It adds no load-balancing loss: the logged loss is the
+    mean of the three real micro-batches' switch losses."""
+    out = pool.run(case_actor, str(tiny_moe), 1, 1, 1, n_trajectories=3, n_minibatches=1, aux_coef=0.5)
+    trained = [ids for r in out for ids, _ in r["trained"]]
+    assert sorted(trained) == [[], [0], [1], [2]]
+    want = _switch_loss(tiny_moe, _trajectories(3), [ids for ids in trained if ids])
+    for r in out:
+        assert r["stats"]["moe_aux_loss"] == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
 def test_aux_loss_leaves_out_sequence_parallel_padding(tiny_moe, pool, tp, pp):
     """TP2 with sequence parallelism pads each packed micro-batch to an even length; the padding

@@ -341,7 +341,7 @@ class Actor:
         out["n_microbatches"] = float(len(batches))
         coef = self.model_cfg.router_aux_loss_coef
         if self.arch.is_moe and (self.arch.router_aux_loss_coef if coef is None else coef) > 0:
-            aux = take_aux_loss(groups, len(batches))
+            aux = take_aux_loss(groups, sum(1 for mb in batches if mb.n_real_tokens), self.arch.num_layers)
             if aux is not None:
                 out["moe_aux_loss"] = aux
         gathered = self._gather(sequences, batches, reports, ("trainer_logprobs",))[0] if collect_logprobs else None

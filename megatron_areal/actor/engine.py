@@ -6,8 +6,9 @@ the last pipeline stage calls ``loss_fn``; other stages get an empty list.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,22 +30,33 @@ def _on_last_stage(mb: PackedMicroBatch, groups: ParallelGroups, vocab_size: int
     return loss_fn(mb, logprobs, entropy)
 
 
-def _router_padding(chunk: torch.nn.Module, mb: PackedMicroBatch, groups: ParallelGroups) -> dict[str, Any]:
-    """``padding_mask`` for a MoE chunk whose micro-batch ends in padding (sequence parallelism pads
-    to a multiple of TP), so the routers' load-balancing loss counts only the sequences' tokens.
+@contextlib.contextmanager
+def _routing_of(chunk: torch.nn.Module, mb: PackedMicroBatch, groups: ParallelGroups) -> Iterator[dict[str, Any]]:
+    """Around a MoE chunk's forward: the model's keyword arguments that keep padding out of the
+    routers' load-balancing loss.
 
-    The first stage gets the whole mask (GPTModel scatters it with the embeddings); later stages
-    get their sequence-parallel slice, as their hidden states are. A micro-batch of padding only
-    (DP lock step) keeps no mask: Megatron's loss over zero tokens would be 0/0.
+    A micro-batch ending in padding (sequence parallelism pads to a multiple of TP) gets Megatron's
+    ``padding_mask``: the whole mask on the first stage (GPTModel scatters it with the embeddings),
+    the sequence-parallel slice on later stages, as their hidden states are. A micro-batch of
+    padding only (DP lock step) computes no loss at all (Megatron's loss over zero tokens would be
+    0/0): the routers' coefficient is 0 during its forward.
     """
     config = chunk.config
-    if not config.num_moe_experts or mb.n_real_tokens in (0, mb.n_tokens):
-        return {}
-    mask = mb.padding_mask()
-    if config.sequence_parallel and not getattr(chunk.module, "pre_process", True):
-        local = mb.n_tokens // groups.tp
-        mask = mask[:, groups.tp_rank * local:(groups.tp_rank + 1) * local]
-    return {"padding_mask": mask}
+    if not config.num_moe_experts or mb.n_real_tokens == mb.n_tokens:
+        yield {}
+    elif mb.n_real_tokens == 0:
+        coefficient = config.moe_aux_loss_coeff
+        config.moe_aux_loss_coeff = 0.0
+        try:
+            yield {}
+        finally:
+            config.moe_aux_loss_coeff = coefficient
+    else:
+        mask = mb.padding_mask()
+        if config.sequence_parallel and not getattr(chunk.module, "pre_process", True):
+            local = mb.n_tokens // groups.tp
+            mask = mask[:, groups.tp_rank * local:(groups.tp_rank + 1) * local]
+        yield {"padding_mask": mask}
 
 
 def run_microbatches(model: list[torch.nn.Module], batches: list[PackedMicroBatch], groups: ParallelGroups, *,
@@ -64,8 +76,8 @@ def run_microbatches(model: list[torch.nn.Module], batches: list[PackedMicroBatc
         mb = next(data_iterator)
         if route_hook is not None:
             route_hook.before(chunk, mb.routes)
-        out = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(),
-                    **_router_padding(chunk, mb, groups))
+        with _routing_of(chunk, mb, groups) as routing:
+            out = chunk(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(), **routing)
         if route_hook is not None:
             route_hook.after(chunk, mb.routes)
         return out, functools.partial(_on_last_stage, mb, groups, vocab_size, temperature, loss_fn)
