@@ -45,11 +45,11 @@ def test_join_split_shard_gather_round_trip(fixture, request):
     hf = _random_hf(arch)
     padded = arch.padded_vocab_size(2)
     for name in mapping.mcore_names(arch):
-        full = mapping.join(arch, name, [hf[n] for n in mapping.hf_names(name)], padded)
+        full = mapping.join(arch, name, [hf[n] for n in mapping.hf_names(arch, name)], padded)
         shards = [mapping.shard(name, full, r, 2) for r in range(2)]
         assert torch.equal(mapping.gather(name, shards), full)
         back = dict(mapping.split(arch, name, full))
-        assert set(back) == set(mapping.hf_names(name))
+        assert set(back) == set(mapping.hf_names(arch, name))
         for n, t in back.items():
             assert torch.equal(t, hf[n]), n
 
@@ -65,15 +65,16 @@ def test_fused_gate_up_keeps_both_halves_on_each_tp_rank(tiny_llama):
     assert local[:half].eq(0).all() and local[half:].eq(1).all()
 
 
-def test_te_names_and_stage_offsets():
+def test_te_names_and_stage_offsets(tiny_qwen2):
+    arch = load_arch(tiny_qwen2)
     assert mapping.canonical("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == \
         "decoder.layers.3.input_layernorm.weight"
     assert mapping.te_name("decoder.layers.3.pre_mlp_layernorm.weight") == \
         "decoder.layers.3.mlp.linear_fc1.layer_norm_weight"
     assert mapping.global_name("decoder.layers.1.mlp.linear_fc2.weight", 6) == "decoder.layers.7.mlp.linear_fc2.weight"
-    assert mapping.hf_names("decoder.layers.7.mlp.linear_fc2.weight") == ("model.layers.7.mlp.down_proj.weight",)
+    assert mapping.hf_names(arch, "decoder.layers.7.mlp.linear_fc2.weight") == ("model.layers.7.mlp.down_proj.weight",)
     with pytest.raises(mapping.MappingError, match="no HF mapping"):
-        mapping.hf_names("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
+        mapping.hf_names(arch, "decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
 
 
 # ---------------------------------------------------------------- round trips through a TP2 PP2 checkpoint

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_moe import hf_logprobs, make_tiny_qwen3_moe, router_margin
+from tiny_moe import hf_logprobs, make_tiny_mixtral, make_tiny_qwen3_moe, router_margin
 
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import load_arch
@@ -27,13 +27,51 @@ def test_every_hf_tensor_has_one_megatron_home(tiny_moe):
     mapped = mapping.hf_tensor_names(arch)
     assert len(mapped) == len(set(mapped)) and set(mapped) == written
     HFReader(tiny_moe, arch)  # every tensor present with the shape the config implies
-    assert mapping.hf_names("decoder.layers.1.mlp.router.weight") == ("model.layers.1.mlp.gate.weight",)
-    assert mapping.hf_names("decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight") == (
+    assert mapping.hf_names(arch, "decoder.layers.1.mlp.router.weight") == ("model.layers.1.mlp.gate.weight",)
+    assert mapping.hf_names(arch, "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight") == (
         "model.layers.1.mlp.experts.5.gate_proj.weight", "model.layers.1.mlp.experts.5.up_proj.weight")
     with pytest.raises(mapping.MappingError, match="mlp.experts.9.down_proj"):
         mapping.hf_shape(arch, "model.layers.0.mlp.experts.9.down_proj.weight")
     with pytest.raises(mapping.MappingError, match="not part of a qwen3_moe model"):
         mapping.hf_shape(arch, "model.layers.0.mlp.down_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory):
+    return make_tiny_mixtral(tmp_path_factory.mktemp("moe") / "mixtral", seed=2)
+
+
+def test_mixtral_tensors_have_their_own_names(tiny_mixtral):
+    """Mixtral keeps the router and experts under ``block_sparse_moe`` with ``w1``/``w3``/``w2``
+    (gate, up, down); the mapping reads every tensor transformers wrote, with its shape."""
+    arch = load_arch(tiny_mixtral)
+    assert (arch.model_type, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
+            arch.norm_topk_prob, arch.qk_norm) == ("mixtral", 8, 2, 40, True, False)
+    written = set(load_file(str(tiny_mixtral / "model.safetensors")))
+    mapped = mapping.hf_tensor_names(arch)
+    assert len(mapped) == len(set(mapped)) and set(mapped) == written
+    HFReader(tiny_mixtral, arch)
+    assert mapping.hf_names(arch, "decoder.layers.1.mlp.router.weight") == (
+        "model.layers.1.block_sparse_moe.gate.weight",)
+    assert mapping.hf_names(arch, "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight") == (
+        "model.layers.0.block_sparse_moe.experts.3.w1.weight", "model.layers.0.block_sparse_moe.experts.3.w3.weight")
+    assert mapping.hf_names(arch, "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight") == (
+        "model.layers.0.block_sparse_moe.experts.3.w2.weight",)
+    with pytest.raises(mapping.MappingError, match="not part of a mixtral model"):
+        mapping.hf_shape(arch, "model.layers.0.mlp.experts.3.gate_proj.weight")
+
+
+def test_mixtral_with_sliding_window_attention_is_refused(tiny_mixtral, tmp_path):
+    import json
+    import shutil
+
+    from megatron_areal.model.arch import UnsupportedModelError
+
+    folder = shutil.copytree(tiny_mixtral, tmp_path / "windowed")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
+    with pytest.raises(UnsupportedModelError, match="sliding_window 64"):
+        load_arch(folder)
 
 
 def test_expert_names_are_global_over_expert_parallel_ranks():
@@ -51,7 +89,7 @@ def test_join_split_shard_gather_round_trip(tiny_moe):
     hf = {k: v for k, v in load_file(str(tiny_moe / "model.safetensors")).items()}
     padded = arch.padded_vocab_size(2)
     for name in mapping.mcore_names(arch):
-        full = mapping.join(arch, name, [hf[n] for n in mapping.hf_names(name)], padded)
+        full = mapping.join(arch, name, [hf[n] for n in mapping.hf_names(arch, name)], padded)
         shards = [mapping.shard(name, full, r, 2) for r in range(2)]
         assert torch.equal(mapping.gather(name, shards), full)
         for n, t in mapping.split(arch, name, full):
@@ -123,6 +161,26 @@ def test_logprobs_match_transformers_at_expert_parallel_layouts(tiny_moe, moe_no
             worst[hf_dir.name, tp, pp, ep, etp] = _max_diff(got, ref)
     print("max |logprob - transformers| per layout:", worst)
     assert max(worst.values()) <= TOLERANCE, worst
+
+
+def test_mixtral_logprobs_and_round_trip(tiny_mixtral, pool, tmp_path):
+    """Mixtral: logprobs match transformers' at EP2, TP2 x EP2 and PP2 x EP2, and HF -> Megatron
+    (saved at EP2) -> HF gives back every tensor bitwise under Mixtral's names."""
+    from megatron_areal.convert.convert import hf_to_mcore, mcore_to_hf
+    from megatron_areal.convert.score import score
+
+    sequences = _sequences([2, 23, 9, 31, 16])
+    assert router_margin(tiny_mixtral, sequences) > 1e-3
+    ref = hf_logprobs(tiny_mixtral, sequences)
+    worst = {(tp, pp, ep): _max_diff(score("hf", tiny_mixtral, sequences, tp=tp, pp=pp, ep=ep, pool=pool), ref)
+             for tp, pp, ep in ((1, 1, 2), (2, 1, 2), (1, 2, 2))}
+    print("mixtral: max |logprob - transformers| per layout:", worst)
+    assert max(worst.values()) <= TOLERANCE, worst
+    back = mcore_to_hf(hf_to_mcore(tiny_mixtral, tmp_path / "ckpt", ep=2, pool=pool), tmp_path / "hf")
+    a, b = load_file(str(tiny_mixtral / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
 
 
 def export_stage(hf_dir: str, tp: int, pp: int, ep: int, etp: int) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """The embedded server on a tiny Qwen3-MoE: generation and logprobs against transformers, the
 experts it reports against transformers' router and SGLang's wire format, weight updates by HF
-name, and the rollout client carrying the routes across an interrupted sample."""
+name, and the rollout client carrying the routes across an interrupted sample; and on a tiny
+Mixtral, whose checkpoints name the experts differently."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ import pytest
 import torch
 from engine_jobs import run_jobs
 from netutil import free_ports, http_call
-from tiny_moe import make_tiny_qwen3_moe
+from tiny_moe import make_tiny_mixtral, make_tiny_qwen3_moe
 
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.engine import Engine, EngineOptions
@@ -135,6 +136,41 @@ def test_routes_are_transformers_router_top_k(engine, hf_a) -> None:
         end = len(r.all_ids) - 1
         assert r.routes.length == end
         assert torch.equal(r.routes.rows(0, end), hf_routes(hf_a, r.all_ids)[:end]), r.rid
+
+
+def test_mixtral_generates_and_routes_as_transformers(tmp_path: Path) -> None:
+    """Mixtral's own names (``block_sparse_moe``, ``w1``/``w3``/``w2``) are the server's parameters, so a
+    checkpoint loads and SGLang-named updates land; greedy tokens, logprobs and routes match transformers."""
+    path = make_tiny_mixtral(tmp_path / "mixtral", seed=0, num_layers=NUM_LAYERS)
+    hf = load_hf(path)
+    e = Engine(str(path), EngineOptions(max_running=4, context_length=256, weight_version="v0"))
+    e.start()
+    try:
+        assert set(e.checksums(None)) == set(read_safetensors(path))
+        done: dict[str, Any] = {}
+        finished = threading.Event()
+
+        def on_finish(r: Any) -> None:
+            done[r.rid] = r
+            if len(done) == len(PROMPTS):
+                finished.set()
+
+        e.submit([(f"g{i}", p, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+                  for i, p in enumerate(PROMPTS)], on_finish, record_routes=True)
+        assert finished.wait(120)
+    finally:
+        e.stop()
+    worst = 0.0
+    for i, prompt in enumerate(PROMPTS):
+        r = done[f"g{i}"]
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+        assert r.output_ids == want
+        ref = hf_logprobs(hf, r.all_ids, len(r.output_ids))
+        worst = max(worst, *(abs(a - b) for a, b in zip(r.output_logprobs, ref, strict=True)))
+        end = len(r.all_ids) - 1
+        assert torch.equal(r.routes.rows(0, end), hf_routes(hf, r.all_ids)[:end]), r.rid
+    assert worst <= LOGPROB_TOL, worst
 
 
 def test_dense_path_keeps_no_routes(tiny_qwen3) -> None:

@@ -1,4 +1,4 @@
-"""A tiny random Qwen3-MoE written offline by transformers, for the MoE tests.
+"""A tiny random Qwen3-MoE (and Mixtral) written offline by transformers, for the MoE tests.
 
 8 experts, top-2, 2 layers, hidden 48, 4 query / 2 KV heads of 12, expert width 40, vocabulary
 130: sizes that are not powers of two and need padding at TP2. Initialisation is widened from
@@ -31,7 +31,29 @@ def make_tiny_qwen3_moe(out_dir: str | Path, *, norm_topk_prob: bool = True, see
         rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    return _initialise_and_save(Qwen3MoeForCausalLM(config), tokenizer, out_dir, router_std, dtype)
+
+
+def make_tiny_mixtral(out_dir: str | Path, *, seed: int = 0, num_layers: int = 2, router_std: float = 1.0) -> Path:
+    """A tiny random Mixtral (8 experts, top-2, expert width 40, Llama attention without QK-norm),
+    written by transformers in Mixtral's checkpoint layout (``block_sparse_moe.experts.{e}.w1/w2/w3``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from megatron_areal.assets import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(130)
+    config = MixtralConfig(
+        vocab_size=130, hidden_size=48, intermediate_size=40, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    return _initialise_and_save(MixtralForCausalLM(config), tokenizer, out_dir, router_std, torch.float32)
+
+
+def _initialise_and_save(model, tokenizer, out_dir: str | Path, router_std: float, dtype: torch.dtype) -> Path:
+    """Norm weights near 1, routers of std ``router_std``, other matrices of std 0.1; saved in ``dtype``."""
+    model = model.to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -48,7 +70,6 @@ def make_tiny_qwen3_moe(out_dir: str | Path, *, norm_topk_prob: bool = True, see
     return out
 
 
-@torch.no_grad()
 def hf_logprobs(hf_dir: str | Path, sequences: list[list[int]]) -> list[torch.Tensor]:
     """Per-token logprobs of each sequence under transformers (fp32), one sequence at a time."""
     from transformers import AutoModelForCausalLM

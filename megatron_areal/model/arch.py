@@ -10,8 +10,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-MOE_MODEL_TYPES = ("qwen3_moe",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# Where a MoE family's HF checkpoints keep a layer's router and experts: the layer's module name
+# and each expert's (gate, up, down) projections (``{block}.gate.weight``,
+# ``{block}.experts.{e}.{projection}.weight``). SGLang's weight updates use the same names.
+_HF_MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                 "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
 class UnsupportedModelError(ValueError):
@@ -37,7 +42,7 @@ class ModelArch:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mixture-of-Experts (Qwen3-MoE): every layer's MLP is ``num_experts`` experts of width
+    # Mixture-of-Experts (Qwen3-MoE, Mixtral): every layer's MLP is ``num_experts`` experts of width
     # ``moe_intermediate_size``, of which a softmax router picks ``num_experts_per_tok`` per token.
     num_experts: int = 0  # 0: a dense MLP of width ``intermediate_size``
     num_experts_per_tok: int = 0
@@ -48,6 +53,16 @@ class ModelArch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def hf_moe_block(self) -> str:
+        """The HF module name of a MoE layer's router and experts (``mlp``, Mixtral ``block_sparse_moe``)."""
+        return _HF_MOE_NAMES[self.model_type][0]
+
+    @property
+    def hf_expert_projections(self) -> tuple[str, str, str]:
+        """The HF names of an expert's gate, up and down projections."""
+        return _HF_MOE_NAMES[self.model_type][1]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,6 +89,18 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     if model_type not in MOE_MODEL_TYPES:
         return {}
+    if model_type == "mixtral":  # every layer is sparse; the top-k probabilities are always renormalised
+        window = cfg.get("sliding_window")
+        if window is not None and int(window) < int(cfg.get("max_position_embeddings", 4096)):
+            raise UnsupportedModelError(f"{source}: sliding_window {window}: sliding-window attention is not "
+                                        "supported (sliding_window null, or at least max_position_embeddings)")
+        return dict(
+            num_experts=int(cfg["num_local_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+        )
     sparse_step = int(cfg.get("decoder_sparse_step", 1))
     dense_layers = list(cfg.get("mlp_only_layers") or [])
     if sparse_step != 1 or dense_layers:

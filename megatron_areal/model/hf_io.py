@@ -127,7 +127,7 @@ class HFReader:
 
     def mcore_tensor(self, name: str, padded_vocab: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full Megatron tensor ``name`` (global layer index) built from its HF tensors."""
-        parts = [self.get(n) for n in mapping.hf_names(name)]
+        parts = [self.get(n) for n in mapping.hf_names(self.arch, name)]
         if dtype is not None:
             parts = [p.to(dtype) for p in parts]
         return mapping.join(self.arch, name, parts, padded_vocab)

@@ -1,4 +1,5 @@
-"""The one mapping between Hugging Face and Megatron-core GPTModel parameters (Llama/Qwen2/Qwen3, Qwen3-MoE).
+"""The one mapping between Hugging Face and Megatron-core GPTModel parameters (Llama/Qwen2/Qwen3,
+Qwen3-MoE, Mixtral).
 
 Every tensor of a Megatron model is described by one ``Rule``: which HF tensors it is made of, how
 they are joined (fused QKV interleaved per query group, fused gate/up, padded vocabulary) and how
@@ -10,8 +11,10 @@ index inside a pipeline stage (see ``global_name``). Both the local-spec names
 (``input_layernorm.weight``) and the Transformer-Engine names (``linear_qkv.layer_norm_weight``)
 are accepted; ``canonical`` turns the latter into the former.
 
-Mixture-of-Experts layers (Qwen3-MoE) hold ``mlp.router.weight`` (HF ``mlp.gate.weight``) and, per
-expert, ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2.weight`` (Megatron's SequentialMLP).
+Mixture-of-Experts layers hold ``mlp.router.weight`` (HF ``mlp.gate.weight``; Mixtral
+``block_sparse_moe.gate.weight``) and, per expert, ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2
+.weight`` (Megatron's SequentialMLP; HF ``gate_proj``/``up_proj``/``down_proj``, Mixtral ``w1``/``w3``/``w2``,
+named by ``ModelArch.hf_moe_block`` and ``hf_expert_projections``).
 Global names number experts over the whole model too: ``{e}`` is the expert's index among all
 ``num_experts`` (``global_name`` adds the expert-parallel rank's offset), and expert tensors are
 split over the expert-tensor-parallel ranks (``etp``), not the attention's TP ranks.
@@ -29,7 +32,6 @@ from megatron_areal.model.arch import ModelArch
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 
 # Transformer-Engine spec fuses the pre-norms into the following linear layer.
 _TE_ALIASES = {
@@ -40,7 +42,8 @@ _TE_ALIASES = {
 
 @dataclass(frozen=True)
 class Rule:
-    hf: tuple[str, ...]  # HF name templates, "{i}" is the layer index
+    hf: tuple[str, ...]  # HF name templates: "{e}" the global expert, "{moe}" / "{gate}" "{up}" "{down}" the
+    # MoE family's names (ModelArch.hf_moe_block / hf_expert_projections)
     kind: str  # "copy" | "qkv" | "glu" | "vocab"
     tp_dim: int | None  # dimension split across TP ranks; None: replicated
 
@@ -63,12 +66,12 @@ _LAYER_RULES: dict[str, Rule] = {
     "pre_mlp_layernorm.weight": Rule(("post_attention_layernorm.weight",), "copy", None),
     "mlp.linear_fc1.weight": Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu", 0),
     "mlp.linear_fc2.weight": Rule(("mlp.down_proj.weight",), "copy", 1),
-    "mlp.router.weight": Rule(("mlp.gate.weight",), "copy", None),
+    "mlp.router.weight": Rule(("{moe}.gate.weight",), "copy", None),
 }
 # Keys are what follows "mlp.experts.local_experts.{e}."; "{e}" in the HF names is the global expert.
 _EXPERT_RULES: dict[str, Rule] = {
-    "linear_fc1.weight": Rule(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "glu", 0),
-    "linear_fc2.weight": Rule(("mlp.experts.{e}.down_proj.weight",), "copy", 1),
+    "linear_fc1.weight": Rule(("{moe}.experts.{e}.{gate}.weight", "{moe}.experts.{e}.{up}.weight"), "glu", 0),
+    "linear_fc2.weight": Rule(("{moe}.experts.{e}.{down}.weight",), "copy", 1),
 }
 
 
@@ -130,12 +133,19 @@ def _split_name(name: str) -> tuple[int | None, int | None, Rule]:
     return layer, expert, rule
 
 
-def hf_names(name: str) -> tuple[str, ...]:
+def _moe_names(arch: ModelArch) -> dict[str, str]:
+    if not arch.is_moe:
+        return {}
+    gate, up, down = arch.hf_expert_projections
+    return {"moe": arch.hf_moe_block, "gate": gate, "up": up, "down": down}
+
+
+def hf_names(arch: ModelArch, name: str) -> tuple[str, ...]:
     """The HF tensors a Megatron parameter is made of."""
     layer, expert, rule = _split_name(name)
     if layer is None:
         return rule.hf
-    return tuple(f"model.layers.{layer}.{t.format(e=expert)}" for t in rule.hf)
+    return tuple(f"model.layers.{layer}.{t.format(e=expert, **_moe_names(arch))}" for t in rule.hf)
 
 
 def expert_index(name: str) -> int | None:
@@ -183,10 +193,6 @@ def hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
     h, hd = arch.hidden_size, arch.head_dim
     m = _HF_LAYER.match(hf_name)
     suffix = m.group(2) if m else hf_name
-    e = _HF_EXPERT.match(suffix) if m and arch.is_moe else None
-    if e and 0 <= int(e.group(1)) < arch.num_experts:
-        suffix = f"mlp.experts.{{e}}.{e.group(2)}"
-    ffn = arch.moe_intermediate_size
     shapes = {
         "model.embed_tokens.weight": (arch.vocab_size, h),
         "lm_head.weight": (arch.vocab_size, h),
@@ -202,15 +208,18 @@ def hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
         "self_attn.q_norm.weight": (hd,),
         "self_attn.k_norm.weight": (hd,),
         "self_attn.o_proj.weight": (h, arch.num_heads * hd),
-        "mlp.gate_proj.weight": (arch.intermediate_size, h),
-        "mlp.up_proj.weight": (arch.intermediate_size, h),
-        "mlp.down_proj.weight": (h, arch.intermediate_size),
     }
     if arch.is_moe:  # every layer is a MoE layer: no dense MLP tensors
-        for dense in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
-            del shapes[dense]
-        shapes.update({"mlp.gate.weight": (arch.num_experts, h), "mlp.experts.{e}.gate_proj.weight": (ffn, h),
-                       "mlp.experts.{e}.up_proj.weight": (ffn, h), "mlp.experts.{e}.down_proj.weight": (h, ffn)})
+        block, (gate, up, down) = arch.hf_moe_block, arch.hf_expert_projections
+        ffn = arch.moe_intermediate_size
+        shapes[f"{block}.gate.weight"] = (arch.num_experts, h)
+        for e in range(arch.num_experts):
+            shapes.update({f"{block}.experts.{e}.{gate}.weight": (ffn, h), f"{block}.experts.{e}.{up}.weight": (ffn, h),
+                           f"{block}.experts.{e}.{down}.weight": (h, ffn)})
+    else:
+        shapes.update({"mlp.gate_proj.weight": (arch.intermediate_size, h),
+                       "mlp.up_proj.weight": (arch.intermediate_size, h),
+                       "mlp.down_proj.weight": (h, arch.intermediate_size)})
     if suffix not in shapes or (m and not 0 <= int(m.group(1)) < arch.num_layers):
         raise MappingError(f"HF tensor {hf_name!r} is not part of a {arch.model_type} model")
     return shapes[suffix]
@@ -218,7 +227,7 @@ def hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
     """Every HF tensor name of the model, in checkpoint order."""
-    return [hf for name in mcore_names(arch) for hf in hf_names(name)]
+    return [hf for name in mcore_names(arch) for hf in hf_names(arch, name)]
 
 
 def join(arch: ModelArch, name: str, tensors: Sequence[torch.Tensor], padded_vocab: int) -> torch.Tensor:
@@ -243,7 +252,7 @@ def join(arch: ModelArch, name: str, tensors: Sequence[torch.Tensor], padded_voc
 
 def split(arch: ModelArch, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Inverse of ``join``: the HF (name, tensor) pairs a full Megatron tensor holds."""
-    targets = hf_names(name)
+    targets = hf_names(arch, name)
     rule = _split_name(name)[2]
     if rule.kind == "copy":
         return [(targets[0], tensor)]

@@ -1,4 +1,4 @@
-"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 dense families and Qwen3-MoE, over a
+"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 dense families, Qwen3-MoE and Mixtral, over a
 packed batch and a slot KV cache.
 
 Module names mirror the Hugging Face checkpoints, so ``state_dict()`` keys are the HF tensor names
@@ -78,7 +78,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(arch)
         self.is_moe = arch.is_moe
-        self.mlp = SparseMoE(arch) if arch.is_moe else GatedMLP(arch.hidden_size, arch.intermediate_size)
+        mlp = SparseMoE(arch) if arch.is_moe else GatedMLP(arch.hidden_size, arch.intermediate_size)
+        self.add_module(arch.hf_moe_block if arch.is_moe else "mlp", mlp)  # Mixtral: block_sparse_moe
+        self._mlp = (mlp,)  # a tuple: not registered a second time
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -86,7 +88,8 @@ class DecoderLayer(nn.Module):
                 batch: ForwardBatch, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, batch)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, routes) if self.is_moe else self.mlp(h))
+        mlp = self._mlp[0]
+        return x + (mlp(h, routes) if self.is_moe else mlp(h))
 
 
 class CausalLM(nn.Module):

@@ -1,9 +1,11 @@
-"""The Mixture-of-Experts MLP of Qwen3-MoE: a softmax router picks ``top_k`` of ``num_experts``
-gated MLPs per token and sums their outputs weighted by the router's probabilities.
+"""The Mixture-of-Experts MLP of Qwen3-MoE and Mixtral: a softmax router picks ``top_k`` of
+``num_experts`` gated MLPs per token and sums their outputs weighted by the router's probabilities.
 
-Module names mirror the Hugging Face checkpoint (``mlp.gate.weight``,
-``mlp.experts.{e}.{gate,up,down}_proj.weight``), the per-expert layout HF folders contain and
-SGLang's weight updates name, so loading and updating need no name map.
+Module names mirror the Hugging Face checkpoint (Qwen3-MoE ``mlp.gate.weight``,
+``mlp.experts.{e}.{gate,up,down}_proj.weight``; Mixtral ``block_sparse_moe.gate.weight``,
+``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``: ``ModelArch.hf_moe_block`` and
+``hf_expert_projections``), the per-expert layout HF folders contain and SGLang's weight updates
+name, so loading and updating need no name map.
 """
 from __future__ import annotations
 
@@ -15,16 +17,21 @@ from megatron_areal.model.arch import ModelArch
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``: the dense MLP, and each expert of a MoE layer."""
+    """``down(silu(gate(x)) * up(x))``: the dense MLP, and each expert of a MoE layer; ``names``: the
+    three projections' module names (HF's ``gate_proj``, ``up_proj``, ``down_proj`` unless given)."""
 
-    def __init__(self, hidden: int, width: int) -> None:
+    def __init__(self, hidden: int, width: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                 ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.up_proj = nn.Linear(hidden, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
+        gate, up, down = (nn.Linear(hidden, width, bias=False), nn.Linear(hidden, width, bias=False),
+                          nn.Linear(width, hidden, bias=False))
+        for name, module in zip(names, (gate, up, down), strict=True):
+            self.add_module(name, module)
+        self._projections = (gate, up, down)  # a tuple: not registered a second time
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, down = self._projections
+        return down(F.silu(gate(x)) * up(x))
 
 
 class SparseMoE(nn.Module):
@@ -33,7 +40,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
         self.norm_topk_prob = arch.norm_topk_prob
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(GatedMLP(arch.hidden_size, arch.moe_intermediate_size)
+        self.experts = nn.ModuleList(GatedMLP(arch.hidden_size, arch.moe_intermediate_size, arch.hf_expert_projections)
                                      for _ in range(arch.num_experts))
 
     def route(self, h_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
