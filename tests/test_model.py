@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from megatron_areal.model.arch import UnsupportedModelError, arch_from_hf_config
@@ -46,7 +54,11 @@ def test_trainer_and_server_share_one_rope():
     LlamaConfig(**SIZES, tie_word_embeddings=False),
     Qwen2Config(**SIZES, tie_word_embeddings=True),
     Qwen3Config(**SIZES, tie_word_embeddings=False),
-], ids=["llama", "qwen2-tied", "qwen3"])
+    Qwen3MoeConfig(**SIZES, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2),
+    Qwen2MoeConfig(**SIZES, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+                   num_experts_per_tok=2),
+    MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2),
+], ids=["llama", "qwen2-tied", "qwen3", "qwen3-moe", "qwen2-moe", "mixtral"])
 def test_param_count_matches_the_hf_model(config):
     model = AutoModelForCausalLM.from_config(config)
     assert param_count(arch_from_hf_config(config.to_dict())) == sum(p.numel() for p in model.parameters())

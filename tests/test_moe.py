@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_moe import hf_logprobs, make_tiny_mixtral, make_tiny_qwen3_moe, router_margin
+from tiny_moe import hf_logprobs, make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe, router_margin
 
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import load_arch
@@ -59,6 +59,28 @@ def test_mixtral_tensors_have_their_own_names(tiny_mixtral):
         "model.layers.0.block_sparse_moe.experts.3.w2.weight",)
     with pytest.raises(mapping.MappingError, match="not part of a mixtral model"):
         mapping.hf_shape(arch, "model.layers.0.mlp.experts.3.gate_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_moe(tmp_path_factory):
+    return make_tiny_qwen2_moe(tmp_path_factory.mktemp("moe") / "qwen2_moe", seed=3)
+
+
+def test_qwen2_moe_shared_expert_has_one_megatron_home(tiny_qwen2_moe):
+    """Qwen2-MoE's shared expert and its gate map to Megatron's shared_experts (split over TP like a
+    dense MLP); every tensor transformers wrote is read with its shape."""
+    arch = load_arch(tiny_qwen2_moe)
+    assert (arch.model_type, arch.shared_expert_intermediate_size, arch.norm_topk_prob, arch.qkv_bias) == (
+        "qwen2_moe", 56, False, True)
+    written = set(load_file(str(tiny_qwen2_moe / "model.safetensors")))
+    mapped = mapping.hf_tensor_names(arch)
+    assert len(mapped) == len(set(mapped)) and set(mapped) == written
+    HFReader(tiny_qwen2_moe, arch)
+    assert mapping.hf_names(arch, "decoder.layers.1.mlp.shared_experts.linear_fc1.weight") == (
+        "model.layers.1.mlp.shared_expert.gate_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight")
+    assert mapping.hf_names(arch, "decoder.layers.1.mlp.shared_experts.gate_weight") == (
+        "model.layers.1.mlp.shared_expert_gate.weight",)
+    assert mapping.tp_dim("decoder.layers.1.mlp.shared_experts.linear_fc2.weight") == 1
 
 
 def test_mixtral_with_sliding_window_attention_is_refused(tiny_mixtral, tmp_path):
@@ -163,21 +185,24 @@ def test_logprobs_match_transformers_at_expert_parallel_layouts(tiny_moe, moe_no
     assert max(worst.values()) <= TOLERANCE, worst
 
 
-def test_mixtral_logprobs_and_round_trip(tiny_mixtral, pool, tmp_path):
-    """Mixtral: logprobs match transformers' at EP2, TP2 x EP2 and PP2 x EP2, and HF -> Megatron
-    (saved at EP2) -> HF gives back every tensor bitwise under Mixtral's names."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_other_moe_families_logprobs_and_round_trip(family, tiny_mixtral, tiny_qwen2_moe, pool, tmp_path):
+    """Mixtral and Qwen2-MoE: logprobs match transformers' at EP2, TP2 x EP2 (Qwen2-MoE's shared
+    expert split over TP) and PP2 x EP2, and HF -> Megatron (saved at EP2) -> HF gives back every
+    tensor bitwise under the family's names."""
     from megatron_areal.convert.convert import hf_to_mcore, mcore_to_hf
     from megatron_areal.convert.score import score
 
+    hf_dir = {"mixtral": tiny_mixtral, "qwen2_moe": tiny_qwen2_moe}[family]
     sequences = _sequences([2, 23, 9, 31, 16])
-    assert router_margin(tiny_mixtral, sequences) > 1e-3
-    ref = hf_logprobs(tiny_mixtral, sequences)
-    worst = {(tp, pp, ep): _max_diff(score("hf", tiny_mixtral, sequences, tp=tp, pp=pp, ep=ep, pool=pool), ref)
+    assert router_margin(hf_dir, sequences) > 1e-3
+    ref = hf_logprobs(hf_dir, sequences)
+    worst = {(tp, pp, ep): _max_diff(score("hf", hf_dir, sequences, tp=tp, pp=pp, ep=ep, pool=pool), ref)
              for tp, pp, ep in ((1, 1, 2), (2, 1, 2), (1, 2, 2))}
-    print("mixtral: max |logprob - transformers| per layout:", worst)
+    print(f"{family}: max |logprob - transformers| per layout:", worst)
     assert max(worst.values()) <= TOLERANCE, worst
-    back = mcore_to_hf(hf_to_mcore(tiny_mixtral, tmp_path / "ckpt", ep=2, pool=pool), tmp_path / "hf")
-    a, b = load_file(str(tiny_mixtral / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    back = mcore_to_hf(hf_to_mcore(hf_dir, tmp_path / "ckpt", ep=2, pool=pool), tmp_path / "hf")
+    a, b = load_file(str(hf_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name

@@ -1,7 +1,7 @@
 """The embedded server on a tiny Qwen3-MoE: generation and logprobs against transformers, the
 experts it reports against transformers' router and SGLang's wire format, weight updates by HF
 name, and the rollout client carrying the routes across an interrupted sample; and on a tiny
-Mixtral, whose checkpoints name the experts differently."""
+Mixtral (whose checkpoints name the experts differently) and Qwen2-MoE (a gated shared expert)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +18,7 @@ import pytest
 import torch
 from engine_jobs import run_jobs
 from netutil import free_ports, http_call
-from tiny_moe import make_tiny_mixtral, make_tiny_qwen3_moe
+from tiny_moe import make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe
 
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.engine import Engine, EngineOptions
@@ -138,10 +138,12 @@ def test_routes_are_transformers_router_top_k(engine, hf_a) -> None:
         assert torch.equal(r.routes.rows(0, end), hf_routes(hf_a, r.all_ids)[:end]), r.rid
 
 
-def test_mixtral_generates_and_routes_as_transformers(tmp_path: Path) -> None:
-    """Mixtral's own names (``block_sparse_moe``, ``w1``/``w3``/``w2``) are the server's parameters, so a
-    checkpoint loads and SGLang-named updates land; greedy tokens, logprobs and routes match transformers."""
-    path = make_tiny_mixtral(tmp_path / "mixtral", seed=0, num_layers=NUM_LAYERS)
+@pytest.mark.parametrize("make", [make_tiny_mixtral, make_tiny_qwen2_moe], ids=["mixtral", "qwen2_moe"])
+def test_other_moe_families_generate_and_route_as_transformers(make, tmp_path: Path) -> None:
+    """Mixtral's own names (``block_sparse_moe``, ``w1``/``w3``/``w2``) and Qwen2-MoE's shared expert are
+    the server's parameters, so a checkpoint loads and SGLang-named updates land; greedy tokens,
+    logprobs and routes match transformers."""
+    path = make(tmp_path / "model", seed=0, num_layers=NUM_LAYERS)
     hf = load_hf(path)
     e = Engine(str(path), EngineOptions(max_running=4, context_length=256, weight_version="v0"))
     e.start()

@@ -1,4 +1,4 @@
-"""A tiny random Qwen3-MoE (and Mixtral) written offline by transformers, for the MoE tests.
+"""A tiny random Qwen3-MoE (and Mixtral, Qwen2-MoE) written offline by transformers, for the MoE tests.
 
 8 experts, top-2, 2 layers, hidden 48, 4 query / 2 KV heads of 12, expert width 40, vocabulary
 130: sizes that are not powers of two and need padding at TP2. Initialisation is widened from
@@ -49,6 +49,24 @@ def make_tiny_mixtral(out_dir: str | Path, *, seed: int = 0, num_layers: int = 2
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     return _initialise_and_save(MixtralForCausalLM(config), tokenizer, out_dir, router_std, torch.float32)
+
+
+def make_tiny_qwen2_moe(out_dir: str | Path, *, seed: int = 0, num_layers: int = 2, router_std: float = 1.0) -> Path:
+    """A tiny random Qwen2-MoE: 8 routed experts (top-2, width 40, probabilities not renormalised),
+    a shared expert of width 56 behind a sigmoid gate, Qwen2's q/k/v bias."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from megatron_areal.assets import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(130)
+    config = Qwen2MoeConfig(
+        vocab_size=130, hidden_size=48, intermediate_size=96, moe_intermediate_size=40,
+        shared_expert_intermediate_size=56, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, router_aux_loss_coef=0.01,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    return _initialise_and_save(Qwen2MoeForCausalLM(config), tokenizer, out_dir, router_std, torch.float32)
 
 
 def _initialise_and_save(model, tokenizer, out_dir: str | Path, router_std: float, dtype: torch.dtype) -> Path:

@@ -148,6 +148,8 @@ def check_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1, etp: int = 1) -
     sizes = [("num_heads", arch.num_heads), ("num_kv_heads", arch.num_kv_heads)]
     if not arch.is_moe:  # MoE experts are split over etp instead (mapping.check_ep)
         sizes.append(("intermediate_size", arch.intermediate_size))
+    elif arch.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert is split like a dense MLP
+        sizes.append(("shared_expert_intermediate_size", arch.shared_expert_intermediate_size))
     for name, value in sizes:
         if value % tp:
             raise ValueError(f"parallel.tp={tp} must divide the model's {name}={value}")
@@ -171,7 +173,10 @@ def moe_config(arch: ModelArch, *, ep: int = 1, etp: int = 1, aux_loss_coef: flo
         moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         # routers carry megatron-core's RouterReplay (idle unless actor/routing_replay.py sets an action)
-        moe_enable_routing_replay=True)
+        moe_enable_routing_replay=True,
+        # Qwen2-MoE: a shared expert scaled by a sigmoid gate, as HF's shared_expert_gate
+        moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size or None,
+        moe_shared_expert_gate=arch.shared_expert_intermediate_size > 0)
 
 
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,

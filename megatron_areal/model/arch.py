@@ -10,12 +10,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 # Where a MoE family's HF checkpoints keep a layer's router and experts: the layer's module name
 # and each expert's (gate, up, down) projections (``{block}.gate.weight``,
 # ``{block}.experts.{e}.{projection}.weight``). SGLang's weight updates use the same names.
-_HF_MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+_HF_MOE_NAMES = {"qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                  "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
@@ -42,13 +43,16 @@ class ModelArch:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mixture-of-Experts (Qwen3-MoE, Mixtral): every layer's MLP is ``num_experts`` experts of width
+    # Mixture-of-Experts (Qwen2-MoE, Qwen3-MoE, Mixtral): every layer's MLP is ``num_experts`` experts of width
     # ``moe_intermediate_size``, of which a softmax router picks ``num_experts_per_tok`` per token.
     num_experts: int = 0  # 0: a dense MLP of width ``intermediate_size``
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the chosen experts' probabilities to sum to 1
     router_aux_loss_coef: float = 0.0
+    # Qwen2-MoE: beside the routed experts, one shared expert of this width that every token passes
+    # through, its output scaled by sigmoid(shared_expert_gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -101,6 +105,8 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, 
             norm_topk_prob=True,
             router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
         )
+    if model_type == "qwen2_moe" and cfg.get("use_sliding_window"):
+        raise UnsupportedModelError(f"{source}: use_sliding_window true: sliding-window attention is not supported")
     sparse_step = int(cfg.get("decoder_sparse_step", 1))
     dense_layers = list(cfg.get("mlp_only_layers") or [])
     if sparse_step != 1 or dense_layers:
@@ -113,6 +119,8 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, 
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe" else 0,
     )
 
 
@@ -142,7 +150,7 @@ def arch_from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelArc
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),

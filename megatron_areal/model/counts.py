@@ -33,10 +33,11 @@ def expert_params(arch: ModelArch) -> int:
 
 
 def _shared_layer_params(arch: ModelArch) -> int:
-    """What every token of a layer uses: attention, norms, the router (MoE) or the dense MLP."""
+    """What every token of a layer uses: attention, norms, the router and shared expert (MoE) or the dense MLP."""
     h = arch.hidden_size
     norms = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0)
-    mlp = h * arch.num_experts if arch.is_moe else 3 * h * arch.intermediate_size
+    shared = 3 * h * arch.shared_expert_intermediate_size + h if arch.shared_expert_intermediate_size else 0
+    mlp = h * arch.num_experts + shared if arch.is_moe else 3 * h * arch.intermediate_size
     return attention_params(arch) + norms + mlp
 
 

@@ -1,5 +1,5 @@
 """The one mapping between Hugging Face and Megatron-core GPTModel parameters (Llama/Qwen2/Qwen3,
-Qwen3-MoE, Mixtral).
+Qwen2-MoE, Qwen3-MoE, Mixtral).
 
 Every tensor of a Megatron model is described by one ``Rule``: which HF tensors it is made of, how
 they are joined (fused QKV interleaved per query group, fused gate/up, padded vocabulary) and how
@@ -14,7 +14,10 @@ are accepted; ``canonical`` turns the latter into the former.
 Mixture-of-Experts layers hold ``mlp.router.weight`` (HF ``mlp.gate.weight``; Mixtral
 ``block_sparse_moe.gate.weight``) and, per expert, ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2
 .weight`` (Megatron's SequentialMLP; HF ``gate_proj``/``up_proj``/``down_proj``, Mixtral ``w1``/``w3``/``w2``,
-named by ``ModelArch.hf_moe_block`` and ``hf_expert_projections``).
+named by ``ModelArch.hf_moe_block`` and ``hf_expert_projections``). Qwen2-MoE's shared expert is
+``mlp.shared_experts.linear_fc1/linear_fc2.weight`` and ``mlp.shared_experts.gate_weight`` (HF
+``mlp.shared_expert.{gate,up,down}_proj.weight``, ``mlp.shared_expert_gate.weight``), split over the
+attention's TP ranks like a dense MLP.
 Global names number experts over the whole model too: ``{e}`` is the expert's index among all
 ``num_experts`` (``global_name`` adds the expert-parallel rank's offset), and expert tensors are
 split over the expert-tensor-parallel ranks (``etp``), not the attention's TP ranks.
@@ -67,6 +70,10 @@ _LAYER_RULES: dict[str, Rule] = {
     "mlp.linear_fc1.weight": Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu", 0),
     "mlp.linear_fc2.weight": Rule(("mlp.down_proj.weight",), "copy", 1),
     "mlp.router.weight": Rule(("{moe}.gate.weight",), "copy", None),
+    "mlp.shared_experts.linear_fc1.weight": Rule(
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "glu", 0),
+    "mlp.shared_experts.linear_fc2.weight": Rule(("mlp.shared_expert.down_proj.weight",), "copy", 1),
+    "mlp.shared_experts.gate_weight": Rule(("mlp.shared_expert_gate.weight",), "copy", None),
 }
 # Keys are what follows "mlp.experts.local_experts.{e}."; "{e}" in the HF names is the global expert.
 _EXPERT_RULES: dict[str, Rule] = {
@@ -178,6 +185,9 @@ def mcore_names(arch: ModelArch) -> list[str]:
         per_layer.append("mlp.router.weight")
         per_layer += [f"mlp.experts.local_experts.{e}.{p}" for e in range(arch.num_experts)
                       for p in ("linear_fc1.weight", "linear_fc2.weight")]
+        if arch.shared_expert_intermediate_size:
+            per_layer += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
+                          "mlp.shared_experts.gate_weight"]
     else:
         per_layer += ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     names = ["embedding.word_embeddings.weight"]
@@ -216,6 +226,11 @@ def hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
         for e in range(arch.num_experts):
             shapes.update({f"{block}.experts.{e}.{gate}.weight": (ffn, h), f"{block}.experts.{e}.{up}.weight": (ffn, h),
                            f"{block}.experts.{e}.{down}.weight": (h, ffn)})
+        shared = arch.shared_expert_intermediate_size
+        if shared:
+            shapes.update({"mlp.shared_expert.gate_proj.weight": (shared, h), "mlp.shared_expert.up_proj.weight":
+                           (shared, h), "mlp.shared_expert.down_proj.weight": (h, shared),
+                           "mlp.shared_expert_gate.weight": (1, h)})
     else:
         shapes.update({"mlp.gate_proj.weight": (arch.intermediate_size, h),
                        "mlp.up_proj.weight": (arch.intermediate_size, h),
@@ -318,6 +333,8 @@ def check_tp(arch: ModelArch, tp_size: int) -> None:
     sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads)]
     if not arch.is_moe:  # a MoE model's experts are split over expert TP instead (check_ep)
         sizes.append(("intermediate_size", arch.intermediate_size))
+    elif arch.shared_expert_intermediate_size:  # the shared expert is split like a dense MLP
+        sizes.append(("shared_expert_intermediate_size", arch.shared_expert_intermediate_size))
     for what, n in sizes:
         if n % tp_size:
             raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")

@@ -1,5 +1,6 @@
-"""The Mixture-of-Experts MLP of Qwen3-MoE and Mixtral: a softmax router picks ``top_k`` of
-``num_experts`` gated MLPs per token and sums their outputs weighted by the router's probabilities.
+"""The Mixture-of-Experts MLP of Qwen2-MoE, Qwen3-MoE and Mixtral: a softmax router picks ``top_k``
+of ``num_experts`` gated MLPs per token and sums their outputs weighted by the router's
+probabilities; Qwen2-MoE adds a shared expert for every token, scaled by a sigmoid gate.
 
 Module names mirror the Hugging Face checkpoint (Qwen3-MoE ``mlp.gate.weight``,
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``; Mixtral ``block_sparse_moe.gate.weight``,
@@ -42,6 +43,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(GatedMLP(arch.hidden_size, arch.moe_intermediate_size, arch.hf_expert_projections)
                                      for _ in range(arch.num_experts))
+        if arch.shared_expert_intermediate_size:  # Qwen2-MoE
+            self.shared_expert = GatedMLP(arch.hidden_size, arch.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
 
     def route(self, h_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, K] in the activations' dtype, expert ids [N, K]), most probable first.
@@ -73,4 +77,6 @@ class SparseMoE(nn.Module):
                 idx = tokens[start:start + n]
                 out.index_add_(0, idx, expert(h_NH[idx]) * weights[start:start + n, None])
             start += n
+        if hasattr(self, "shared_expert"):
+            out += torch.sigmoid(self.shared_expert_gate(h_NH)) * self.shared_expert(h_NH)
         return out.view(x.shape)
