@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from test_realloc import _greedy, _hf_greedy
-from tiny_moe import make_tiny_qwen3_moe
+from tiny_moe import make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -128,16 +128,35 @@ def _checksums(url: str) -> dict[str, Any]:
 @pytest.mark.parametrize("layout,method", [*((layout, "distributed") for layout in LAYOUTS), ((2, 1, 2, 2), "disk")],
                          ids=lambda v: "tp{}-pp{}-ep{}-etp{}".format(*v) if isinstance(v, tuple) else v)
 def test_every_expert_reaches_the_server_as_conversion_gives_it(layout, method, model, pool, server, tmp_path) -> None:
+    coords = _push_and_compare(model, server.url, pool, layout, method, tmp_path)
+    if layout == (1, 1, 2, 1):  # half the experts live on a rank of another data-parallel replica
+        assert any(c["dp"] != 0 and c["edp"] == 0 for c in coords), coords
+
+
+@pytest.mark.parametrize("make", [make_tiny_mixtral, make_tiny_qwen2_moe], ids=["mixtral", "qwen2_moe"])
+def test_other_moe_families_reach_the_server_under_their_names(make, pool, tmp_path) -> None:
+    """Mixtral's ``block_sparse_moe`` names and Qwen2-MoE's shared expert (split over TP) at TP2 x EP2 x ETP2."""
+    from megatron_areal.launch.embedded import start_embedded
+
+    folder = make(tmp_path / "model", seed=5)
+    with start_embedded(folder, args=["--weight-version", "init"]) as s:
+        _push_and_compare(folder, s.url, pool, (2, 1, 2, 2), "distributed", tmp_path)
+
+
+def _push_and_compare(model: Path, url: str, pool, layout: tuple[int, int, int, int], method: str,
+                      tmp_path: Path) -> list[dict[str, int]]:
+    """Perturb the trainer's weights at ``layout``, push them, and compare every tensor on the server
+    with ``convert mcore-to-hf`` of the trainer's checkpoint (sha256), then greedy tokens with
+    transformers' on the converted folder; returns each rank's coordinates."""
     from megatron_areal.convert.convert import mcore_to_hf
+    from megatron_areal.model.arch import load_arch
     from megatron_areal.server.weights import read_safetensors, tensor_checksum
 
     disk = str(tmp_path / "disk") if method == "disk" else ""
-    coords = pool.run(_w_setup, str(model), server.url, *layout, disk)
-    if layout == (1, 1, 2, 1):  # half the experts live on a rank of another data-parallel replica
-        assert any(c["dp"] != 0 and c["edp"] == 0 for c in coords), coords
+    coords = pool.run(_w_setup, str(model), url, *layout, disk)
     version = "".join(map(str, layout)) + str(len(method))  # integers, as the trainer pushes them
     results = pool.run(_w_sync, version)
-    assert results[0]["servers"] == [server.url] and not results[0]["dropped"], results[0]
+    assert results[0]["servers"] == [url] and not results[0]["dropped"], results[0]
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -145,12 +164,14 @@ def test_every_expert_reaches_the_server_as_conversion_gives_it(layout, method, 
     ref = mcore_to_hf(ckpt, tmp_path / "hf")
     want = {n: tensor_checksum(t) for n, t in read_safetensors(ref).items()}
     start = {n: tensor_checksum(t) for n, t in read_safetensors(model).items()}
-    reply = _checksums(server.url)
+    reply = _checksums(url)
     got = {n: v["sha256"] for n, v in reply["checksums"].items()}
     assert reply["weight_version"] == version
-    experts = [n for n in want if ".mlp.experts." in n]
+    arch = load_arch(model)
+    experts = [n for n in want if f".{arch.hf_moe_block}.experts." in n]
     assert len(experts) == 2 * 8 * 3  # 2 layers x 8 experts x gate/up/down
     assert all(want[n] != start[n] for n in want)  # every tensor was perturbed: a stale one would show
     assert got == want, f"differ: {sorted(n for n in want if got.get(n) != want[n])[:6]}"
     prompt = [5, 17, 33, 2, 60, 9]
-    assert _greedy(server.url, prompt, 10) == _hf_greedy(ref, prompt, 10)
+    assert _greedy(url, prompt, 10) == _hf_greedy(ref, prompt, 10)
+    return coords
