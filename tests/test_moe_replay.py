@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_moe import make_tiny_qwen3_moe, sample_with_routes
+from tiny_moe import make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe, sample_with_routes
 
 from megatron_areal.configbase import ConfigError
 
@@ -112,3 +112,17 @@ def test_replayed_trainer_logprobs_match_the_server(tmp_path) -> None:
     near_off, near_on = out["near", False], out["near", True]
     assert 0 < near_off["stats"]["routing_mismatch"] < 0.5
     assert near_on["mean_gap"] < near_off["mean_gap"] / 2
+
+
+@pytest.mark.parametrize("make", [make_tiny_mixtral, make_tiny_qwen2_moe], ids=["mixtral", "qwen2_moe"])
+def test_replay_on_the_other_moe_families(make, tmp_path) -> None:
+    """Mixtral and Qwen2-MoE (shared expert beside the replayed routed ones): the server's routes reach
+    the trainer's routers, and on the same fp32 weights the replayed logprobs are the server's."""
+    from megatron_areal.convert.spawn import WorkerPool
+
+    server = make(tmp_path / "moe", seed=0)
+    with WorkerPool(1, timeout_s=300) as pool:
+        out = pool.run(_train_run, str(server), {"same": str(server)})[0]
+    on, off = out["same", True], out["same", False]
+    assert on["max_gap"] < 1e-5 and on["stats"]["rollout_mismatch_tokens"] == out["n_tokens"]
+    assert off["stats"]["routing_mismatch"] == 0.0 and off["max_gap"] < 1e-5
