@@ -23,36 +23,41 @@ def effective_temperature(temperature: float) -> float:
     return 1.0 if temperature == 0 else float(temperature)
 
 
-class _VocabParallelLogprobs(torch.autograd.Function):
-    """logits_local [T, V/tp] (fp32), targets [T] -> (logprobs [T], entropy [T], no grad).
+_CHUNK_ELEMENTS = 1 << 22  # logits worked on at a time: 16 MiB in fp32
 
-    Memory: besides the input, the forward holds two ``[T, V/tp]`` fp32 tensors at its peak (the
-    shifted logits and their exponentials) and keeps one for backward (the softmax, reused in place
-    as the gradient), instead of the six or so an expression-per-line version allocates (about
-    200 MB each for 1024 tokens of a 49k vocabulary). The entropy's ``sum_j p_j z_j`` is a
-    batched dot product, never a ``[T, V]`` product.
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """logits_local [T, V/tp] (any dtype), targets [T] -> (logprobs [T], entropy [T], no grad).
+
+    Memory: the fp32 work (the cast, the temperature, the shift by the row maximum, the
+    exponentials) is done a block of rows at a time, and the backward recomputes it from the logits
+    themselves, which are kept anyway; so besides its input and its ``[T, V/tp]`` gradient (in the
+    logits' dtype) this never holds more than a block of about 16 MiB. The one-piece form held three
+    fp32 ``[T, V/tp]`` tensors at its peak (about 200 MB each for 1024 tokens of a 49k vocabulary)
+    and kept one for the backward. The values are the same, operation by operation, as computing
+    on the whole tensor: each row's results depend on that row only.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None,
-                vocab_start: int, vocab_real: int, owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        width = logits.size(-1)
+                vocab_start: int, vocab_real: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, width = logits.shape
         real = max(0, min(width, vocab_real - vocab_start))  # local columns inside the real vocabulary
-        z = logits if owned else None
-        if real < width:
-            z = logits.clone() if z is None else z
-            z[:, real:] = _MASKED
-        src = logits if z is None else z
-        zmax = src.max(dim=-1).values
+        step = max(1, _CHUNK_ELEMENTS // max(width, 1))
+        blocks = [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
+        zmax = torch.full((rows,), _MASKED, dtype=torch.float32, device=logits.device)
+        for b in blocks:
+            zmax[b] = _scaled(logits, b, temperature, real).max(dim=-1).values
         _all_reduce(zmax, dist.ReduceOp.MAX, group)
-        z = torch.sub(src, zmax.unsqueeze(-1)) if z is None else z.sub_(zmax.unsqueeze(-1))
         local = (targets >= vocab_start) & (targets < vocab_start + width)
         index = (targets - vocab_start).clamp(0, width - 1)
-        target_z = torch.where(local, z.gather(-1, index.unsqueeze(-1)).squeeze(-1), torch.zeros_like(zmax))
-        exp = z.exp()
-        sum_pz = torch.bmm(exp.unsqueeze(1), z.unsqueeze(2)).view(-1)
-        del z
-        sums = torch.stack([exp.sum(-1), target_z, sum_pz])
+        sums = torch.zeros(3, rows, dtype=torch.float32, device=logits.device)  # sum exp, target z, sum exp * z
+        for b in blocks:
+            z = _scaled(logits, b, temperature, real).sub_(zmax[b].unsqueeze(-1))
+            sums[1, b] = torch.where(local[b], z.gather(-1, index[b].unsqueeze(-1)).squeeze(-1), sums[1, b])
+            exp = z.exp()
+            sums[2, b] = torch.bmm(exp.unsqueeze(1), z.unsqueeze(2)).view(-1)
+            sums[0, b] = exp.sum(-1)
         _all_reduce(sums, dist.ReduceOp.SUM, group)
         sum_exp, target_z, sum_pz = sums
         log_sum = sum_exp.log()
@@ -60,18 +65,34 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         entropy = log_sum - sum_pz / sum_exp
         ctx.mark_non_differentiable(entropy)
         if ctx.needs_input_grad[0]:
-            softmax = exp.div_(sum_exp.unsqueeze(-1))
-            ctx.save_for_backward(softmax, index, local)
+            ctx.blocks, ctx.temperature, ctx.real = blocks, temperature, real
+            ctx.save_for_backward(logits, zmax, sum_exp, index, local)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None):
-        softmax, index, local = ctx.saved_tensors
-        # d log p_target / d z_j = [j == target] - p_j; the max shift has zero net gradient.
-        # The saved softmax is used once (no double backward), so it becomes the gradient in place.
-        grad = softmax.neg_()
-        grad.scatter_add_(-1, index.unsqueeze(-1), local.to(grad.dtype).unsqueeze(-1))
-        return grad.mul_(grad_logprobs.unsqueeze(-1)), None, None, None, None, None
+        logits, zmax, sum_exp, index, local = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        # d log p_target / d z_j = [j == target] - p_j (the max shift has zero net gradient);
+        # z = logits / T, so the logits' gradient is that over T
+        for b in ctx.blocks:
+            g = _scaled(logits, b, ctx.temperature, ctx.real).sub_(zmax[b].unsqueeze(-1)).exp_()
+            g.div_(sum_exp[b].unsqueeze(-1)).neg_()
+            g.scatter_add_(-1, index[b].unsqueeze(-1), local[b].to(g.dtype).unsqueeze(-1))
+            g.mul_(grad_logprobs[b].unsqueeze(-1))
+            grad[b] = g if ctx.temperature == 1.0 else g.div_(ctx.temperature)
+        return grad, None, None, None, None, None
+
+
+def _scaled(logits: torch.Tensor, block: slice, temperature: float, real: int) -> torch.Tensor:
+    """A new fp32 tensor: the block's logits over the temperature, columns past the real vocabulary
+    masked (never a view of the caller's logits, which the callers then work on in place)."""
+    z = logits[block].to(torch.float32, copy=True)
+    if temperature != 1.0:
+        z.div_(temperature)
+    if real < z.size(-1):
+        z[:, real:] = _MASKED
+    return z
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
@@ -90,11 +111,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, tp_g
     """
     width = logits.size(-1)
     shape = targets.shape
-    flat = logits.reshape(-1, width)
     temp = effective_temperature(temperature)
-    scaled = flat.float() if temp == 1.0 else flat.float() / temp
-    # the kernel may work in place on a tensor made here (a cast or a division), not on the caller's
-    owned = scaled.data_ptr() != flat.data_ptr()
-    logprobs, entropy = _VocabParallelLogprobs.apply(scaled, targets.reshape(-1), tp_group, tp_rank * width,
-                                                     vocab_size, owned)
+    logprobs, entropy = _VocabParallelLogprobs.apply(logits.reshape(-1, width), targets.reshape(-1), tp_group,
+                                                     tp_rank * width, vocab_size, temp)
     return logprobs.view(shape), entropy.view(shape)
