@@ -122,16 +122,7 @@ def test_routes_are_transformers_router_top_k(engine, hf_a) -> None:
             for i, p in enumerate(PROMPTS)]
     jobs += [(f"n{j}", PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=0.9, ignore_eos=True, seed=10 + j))
              for j in range(3)]
-    done: dict[str, Any] = {}
-    finished = threading.Event()
-
-    def on_finish(r: Any) -> None:
-        done[r.rid] = r
-        if len(done) == len(jobs):
-            finished.set()
-
-    engine.submit(jobs, on_finish, record_routes=True)
-    assert finished.wait(120)
+    done = run_jobs(engine, jobs, record_routes=True)
     for r in done.values():
         end = len(r.all_ids) - 1
         assert r.routes.length == end
@@ -149,17 +140,8 @@ def test_other_moe_families_generate_and_route_as_transformers(make, tmp_path: P
     e.start()
     try:
         assert set(e.checksums(None)) == set(read_safetensors(path))
-        done: dict[str, Any] = {}
-        finished = threading.Event()
-
-        def on_finish(r: Any) -> None:
-            done[r.rid] = r
-            if len(done) == len(PROMPTS):
-                finished.set()
-
-        e.submit([(f"g{i}", p, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
-                  for i, p in enumerate(PROMPTS)], on_finish, record_routes=True)
-        assert finished.wait(120)
+        done = run_jobs(e, [(f"g{i}", p, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+                            for i, p in enumerate(PROMPTS)], record_routes=True)
     finally:
         e.stop()
     worst = 0.0
