@@ -93,18 +93,10 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     if model_type not in MOE_MODEL_TYPES:
         return {}
-    if model_type == "mixtral":  # every layer is sparse; the top-k probabilities are always renormalised
-        window = cfg.get("sliding_window")
-        if window is not None and int(window) < int(cfg.get("max_position_embeddings", 4096)):
-            raise UnsupportedModelError(f"{source}: sliding_window {window}: sliding-window attention is not "
-                                        "supported (sliding_window null, or at least max_position_embeddings)")
-        return dict(
-            num_experts=int(cfg["num_local_experts"]),
-            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-            moe_intermediate_size=int(cfg["intermediate_size"]),
-            norm_topk_prob=True,
-            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
-        )
+    if model_type == "mixtral" and cfg.get("sliding_window") is not None \
+            and int(cfg["sliding_window"]) < int(cfg.get("max_position_embeddings", 4096)):
+        raise UnsupportedModelError(f"{source}: sliding_window {cfg['sliding_window']}: sliding-window attention is "
+                                    "not supported (sliding_window null, or at least max_position_embeddings)")
     if model_type == "qwen2_moe" and cfg.get("use_sliding_window"):
         raise UnsupportedModelError(f"{source}: use_sliding_window true: sliding-window attention is not supported")
     sparse_step = int(cfg.get("decoder_sparse_step", 1))
@@ -113,11 +105,12 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, source: str) -> dict[str, 
         raise UnsupportedModelError(
             f"{source}: decoder_sparse_step {sparse_step} / mlp_only_layers {dense_layers}: only models whose "
             "every layer is a MoE layer (decoder_sparse_step 1, no mlp_only_layers) are supported")
+    mixtral = model_type == "mixtral"  # every layer sparse, experts as wide as intermediate_size, always renormalised
     return dict(
         num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0),
         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_intermediate_size=int(cfg["intermediate_size" if mixtral else "moe_intermediate_size"]),
+        norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
         router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
         if model_type == "qwen2_moe" else 0,

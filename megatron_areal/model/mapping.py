@@ -328,18 +328,6 @@ def to_hf(arch: ModelArch, named_full: Iterator[tuple[str, torch.Tensor]] | Sequ
         yield from split(arch, name, tensor)
 
 
-def check_tp(arch: ModelArch, tp_size: int) -> None:
-    """Refuse a TP size the model's heads or MLP cannot be split into."""
-    sizes = [("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads)]
-    if not arch.is_moe:  # a MoE model's experts are split over expert TP instead (check_ep)
-        sizes.append(("intermediate_size", arch.intermediate_size))
-    elif arch.shared_expert_intermediate_size:  # the shared expert is split like a dense MLP
-        sizes.append(("shared_expert_intermediate_size", arch.shared_expert_intermediate_size))
-    for what, n in sizes:
-        if n % tp_size:
-            raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")
-
-
 def check_ep(arch: ModelArch, ep_size: int, etp_size: int) -> None:
     """Refuse an expert-parallel layout the model's experts cannot be split into."""
     if not arch.is_moe:
