@@ -63,13 +63,6 @@ class SourceEdit:
 _TP_RANDOM = "megatron.core.tensor_parallel.random"
 _CUDA_TYPES = {"torch.cuda.FloatTensor": "torch.FloatTensor", "torch.cuda.HalfTensor": "torch.HalfTensor",
                "torch.cuda.BFloat16Tensor": "torch.BFloat16Tensor"}
-_NORM_RETURN = "return norm_cls(normalized_shape=hidden_size, eps=eps)"
-# Tag the norm weights so finalize_model_grads all-reduces their grads over the TP group, which
-# sequence parallelism needs because each TP rank normalised only its slice of the sequence.
-_NORM_RETURN_SP = ("norm = norm_cls(normalized_shape=hidden_size, eps=eps)\n"
-                   "        for _p in norm.parameters():\n"
-                   "            setattr(_p, 'sequence_parallel', config.sequence_parallel)\n"
-                   "        return norm")
 
 
 def _type_edits(module: str, qualname: str, names: tuple[str, ...], counts: tuple[int, ...]) -> list[SourceEdit]:
@@ -96,8 +89,10 @@ SOURCE_EDITS: tuple[SourceEdit, ...] = (
     SourceEdit("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
                'assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"',
                "pass", "torch norms are correct under sequence parallelism once their grads are reduced"),
-    SourceEdit("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__", _NORM_RETURN, _NORM_RETURN_SP,
-               "mark norm weights sequence-parallel for the TP grad all-reduce"),
+    SourceEdit("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
+               "return norm_cls(normalized_shape=hidden_size, eps=eps)",
+               "return _local_spec_norm(config, norm_cls, hidden_size, eps)",
+               "RMSNorm weights in params_dtype with a lean backward (actor/rms_norm.py), marked for SP"),
     # The MoE all-to-all dispatcher turns its split sizes into host numpy arrays through this
     # helper, which skips tensors that are not on CUDA; torch.distributed.all_to_all_single then
     # refuses the CPU tensors as split sizes ("incompatible function arguments").
@@ -112,7 +107,24 @@ SOURCE_EDITS: tuple[SourceEdit, ...] = (
                "gloo gathers equal blocks: pad to the largest, then cut"),
 )
 # Names that edited sources call, injected into the edited function's module.
-_INJECTED = {"megatron.core.tensor_parallel.mappings": "_host_all_gather_uneven"}
+_INJECTED = {"megatron.core.tensor_parallel.mappings": "_host_all_gather_uneven",
+             "megatron.core.transformer.torch_norm": "_local_spec_norm"}
+
+
+def _local_spec_norm(config: Any, norm_cls: type, hidden_size: int, eps: float) -> torch.nn.Module:
+    """The local spec's norm: ours for RMSNorm (weight in ``params_dtype``, as Megatron's GPU paths
+    have it, and a lean backward), torch's otherwise. Its weights are tagged so finalize_model_grads
+    all-reduces their grads over the TP group, which sequence parallelism needs because each TP rank
+    normalised only its slice of the sequence."""
+    from megatron_areal.actor.rms_norm import RMSNorm
+
+    if norm_cls is torch.nn.RMSNorm:
+        norm = RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+    else:
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+    for p in norm.parameters():
+        setattr(p, "sequence_parallel", config.sequence_parallel)
+    return norm
 
 
 def _host_all_gather_uneven(outputs: list[torch.Tensor], input_: torch.Tensor, group: Any = None) -> None:
