@@ -19,8 +19,9 @@ range for Qwen3-MoE) rather than the tests' 1.0: top-k scores are then as close 
 initialised or trained model, which is where two engines' bf16 rounding picks different experts.
 
 Both engines load a bf16 checkpoint (``--checkpoint-dtype``, default bfloat16, as released Qwen3-MoE
-checkpoints are). With a float32 one they do not run the same model: the trainer's local-spec
-norms (torch ``RMSNorm``) keep fp32 weights, loaded unrounded, while the bf16 server rounds them.
+checkpoints are). Until the trainer's local-spec norms held their weights in bf16 (actor/rms_norm.py)
+a float32 checkpoint gave them unrounded weights where the bf16 server rounds them (the
+"fp32 checkpoint" row below was measured then).
 
 Where the with-replay floor comes from (measured with a throwaway script on the 8-expert top-2 shape:
 2 layers, router std 0.02, 384 tokens, same routes on both sides; before the changes below the

@@ -265,8 +265,8 @@ def test_smollm2_text_prompt_matches_transformers(smollm2, engine_for) -> None:
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch.rms_norm, fp32 weight
 def test_rms_norm_rounds_once_as_sglang_and_the_trainer_do() -> None:
     """In bf16 the server's RMSNorm is SGLang's default form (scale by the weight in fp32, round
-    once): bitwise what ``torch.rms_norm`` gives the trainer's local-spec norm (bf16 input, fp32 or
-    bf16 weight), and closer to the exact value than transformers' round-twice form."""
+    once): bitwise what ``torch.rms_norm`` gives (bf16 input, bf16 or fp32 weight), as the trainer's
+    local-spec norm does, and closer to the exact value than transformers' round-twice form."""
     from megatron_areal.server.model import RMSNorm
 
     g = torch.Generator().manual_seed(0)
@@ -282,7 +282,7 @@ def test_rms_norm_rounds_once_as_sglang_and_the_trainer_do() -> None:
     # bitwise on the machine this was written on; another CPU's kernel may sum the squares in
     # another order and round a rare output the other way, so at most 1% may differ (the
     # transformers form differs in about a quarter of them)
-    for weight in (w, w.float()):  # the trainer's local-spec norm keeps an fp32 weight
+    for weight in (w, w.float()):  # bf16 as the trainer's local-spec norm holds it (actor/rms_norm.py)
         ref = torch.rms_norm(x, (48,), weight, 1e-6)
         assert (out != ref).float().mean() <= 0.01
         assert (transformers_form != ref).float().mean() > 0.1

@@ -3,6 +3,8 @@
 - ``model.recompute_activations``: one decoupled-PPO step (bf16 weights, distributed optimizer,
   stochastic rounding, several micro-batches) with activation recomputation gives the same weights,
   bit for bit, as without;
+- ``parallel.mb_token_multiple``: micro-batches padded to a multiple of 64 tokens give the same
+  weights after a step, and are padded;
 - ``trainer/memory.py``: heap memory freed by tensors goes back to the system (the kernel's VmRSS).
 (The checkpoint's optimizer state saved as views: tests/test_checkpoint.py.)
 """
@@ -15,8 +17,9 @@ from test_actor_parallel import ARCHS, Group, _trajectories
 pytestmark = pytest.mark.timeout(300)
 
 
-def case_step(recompute: bool) -> list[torch.Tensor]:
-    """The bf16 weights after one PPO step of a tiny Llama, with or without recomputation."""
+def case_step(recompute: bool, multiple: int = 1) -> list[torch.Tensor]:
+    """The bf16 weights after one PPO step of a tiny Llama, with or without recomputation, its
+    micro-batches padded to a multiple of ``multiple`` tokens."""
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
@@ -24,9 +27,11 @@ def case_step(recompute: bool) -> list[torch.Tensor]:
 
     groups = init_parallel(1, 1, seed=3, backend="gloo")
     actor = Actor(ARCHS["llama"], ModelConfig(max_seq_len=40, dtype="bfloat16", recompute_activations=recompute),
-                  ParallelConfig(tp=1, pp=1, max_tokens_per_mb=48),
+                  ParallelConfig(tp=1, pp=1, max_tokens_per_mb=48, mb_token_multiple=multiple),
                   OptimizerConfig(lr=1e-3, bf16_rounding="stochastic"), PPOConfig(), groups, seed=3, total_steps=2)
     assert actor.model[0].config.recompute_granularity == ("full" if recompute else None)
+    planned = actor._plan([t.input_ids for t in _trajectories()], 1)
+    assert all(mb.n_tokens % multiple == 0 and mb.n_tokens - mb.n_real_tokens < multiple for mb in planned)
     stats = actor.ppo_update(_trajectories(), 0.7)
     assert stats["n_microbatches"] > 1
     weights = [p.detach().clone() for c in actor.model for p in c.parameters()]
@@ -45,6 +50,18 @@ def test_recomputation_changes_no_weight():
         group.close()
     assert plain[0].dtype == torch.bfloat16
     assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
+
+
+def test_padded_microbatches_change_no_weight():
+    group = Group(1)
+    try:
+        group.submit(case_step, recompute=False)
+        plain = group.collect()[0]
+        group.submit(case_step, recompute=False, multiple=64)
+        padded = group.collect()[0]
+    finally:
+        group.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, padded, strict=True))
 
 
 RELEASE_PROBE = """

@@ -16,6 +16,7 @@ every rank.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -95,7 +96,8 @@ class Actor:
                 raise ValueError(f"sequence {i} has {n} token(s); a logprob needs at least 2")
         plan = allocate_microbatches(lengths, self.parallel_cfg.max_tokens_per_mb, self.groups.dp,
                                      min_microbatches, self.parallel_cfg.packing, self.model_cfg.max_seq_len)
-        multiple = self.groups.tp if self.parallel_cfg.sequence_parallel else 1
+        multiple = math.lcm(self.parallel_cfg.mb_token_multiple,
+                            self.groups.tp if self.parallel_cfg.sequence_parallel else 1)
         batches = [pack(sequences, ids, multiple, values) for ids in plan[self.groups.dp_rank]]
         if routes is not None:
             for mb in batches:
