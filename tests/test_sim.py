@@ -227,6 +227,17 @@ def test_moe_counts_match_the_published_figures(name, total, active, non_embeddi
     assert resolve_arch(f"Qwen/{name.replace('qwen3', 'Qwen3').replace('-a', '-A').replace('b-', 'B-')}")[0] == name
 
 
+@pytest.mark.parametrize("hf_id, total, active", [
+    ("mistralai/Mixtral-8x7B-v0.1", 46.7e9, 12.9e9),  # Mistral's announcement: 46.7B total, 12.9B per token
+    ("Qwen/Qwen2-57B-A14B", 57e9, 14e9),  # the name: 57B, 14B activated
+])
+def test_mixtral_and_qwen2_moe_counts_match_the_published_figures(hf_id, total, active):
+    name, m = resolve_arch(hf_id)
+    assert name in CATALOGUE
+    assert param_count(m) == pytest.approx(total, rel=0.01)
+    assert active_param_count(m) == pytest.approx(active, rel=0.02)
+
+
 def test_moe_param_count_matches_the_hf_model():
     """Total parameters against transformers' own Qwen3-MoE module; active ones by hand."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_areal.model.arch import ModelArch, load_arch
+from megatron_areal.model.arch import ModelArch, arch_from_hf_config, load_arch
 
 
 def _qwen2(v: int, h: int, i: int, layers: int, heads: int, kv: int, tie: bool, theta: float) -> ModelArch:
@@ -25,6 +25,23 @@ def _qwen3_moe(h: int, i: int, layers: int, heads: int, moe_i: int) -> ModelArch
                      moe_intermediate_size=moe_i, norm_topk_prob=True, router_aux_loss_coef=0.001)
 
 
+# The fields of mistralai/Mixtral-8x7B-v0.1's and Qwen/Qwen2-57B-A14B's config.json that shape the
+# model, read by the same parser as an HF folder (the same values appear in TensorRT-LLM's test
+# fixtures MIXTRAL_8X7B_CONFIG and QWEN2_57B_A14B_CONFIG). tests/test_sim.py checks the counts
+# against the published totals (46.7B with 12.9B active; 57B with 14B active).
+_MIXTRAL_8X7B = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "sliding_window": None,
+                 "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+                 "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+_QWEN2_57B_A14B = {"model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 3584, "intermediate_size": 18944,
+                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                   "use_sliding_window": False, "decoder_sparse_step": 1, "num_experts": 64, "num_experts_per_tok": 8,
+                   "moe_intermediate_size": 2560, "shared_expert_intermediate_size": 20480, "norm_topk_prob": False,
+                   "router_aux_loss_coef": 0.001, "tie_word_embeddings": False, "bos_token_id": 151643,
+                   "eos_token_id": 151643}
+
 # Shapes copied from each model's published config.json on the Hugging Face hub.
 CATALOGUE: dict[str, ModelArch] = {
     "deepseek-r1-distill-qwen-1.5b": _qwen2(151936, 1536, 8960, 28, 12, 2, False, 1e4),
@@ -43,10 +60,13 @@ CATALOGUE: dict[str, ModelArch] = {
     # configs/model/qwen3_30b_a3b.yaml and qwen3_235b_a22b.yaml). tests/test_sim.py checks the counts.
     "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 48, 32, 768),
     "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 94, 64, 1536),
+    "mixtral-8x7b-v0.1": arch_from_hf_config(_MIXTRAL_8X7B, "mixtral-8x7b-v0.1"),
+    "qwen2-57b-a14b": arch_from_hf_config(_QWEN2_57B_A14B, "qwen2-57b-a14b"),
 }
 ALIASES = {"1.5b": "deepseek-r1-distill-qwen-1.5b", "7b": "deepseek-r1-distill-qwen-7b",
            "14b": "deepseek-r1-distill-qwen-14b", "32b": "deepseek-r1-distill-qwen-32b",
-           "30b-a3b": "qwen3-30b-a3b", "235b-a22b": "qwen3-235b-a22b"}
+           "30b-a3b": "qwen3-30b-a3b", "235b-a22b": "qwen3-235b-a22b", "mixtral-8x7b": "mixtral-8x7b-v0.1",
+           "57b-a14b": "qwen2-57b-a14b"}
 
 
 def resolve_arch(path: str) -> tuple[str, ModelArch]:
