@@ -123,7 +123,7 @@ def _local_spec_norm(config: Any, norm_cls: type, hidden_size: int, eps: float) 
     else:
         norm = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
     for p in norm.parameters():
-        setattr(p, "sequence_parallel", config.sequence_parallel)
+        p.sequence_parallel = config.sequence_parallel
     return norm
 
 
