@@ -24,6 +24,8 @@ setup(
         "psutil",  # the launcher stops whole process trees
         "math-verify==0.9.0",
         "matplotlib",
+        # the CPU trainer's malloc (launch/allocator.py); a wheel exists for x86-64 Linux
+        "cmeel-mimalloc==3.4.3; sys_platform == 'linux' and platform_machine == 'x86_64'",
     ],
     extras_require={
         # One world for GPU clusters (tests/test_gpu_extra.py checks it against the packages' metadata):

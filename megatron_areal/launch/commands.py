@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megatron_areal.config import Config
 from megatron_areal.configbase import load_yaml, parse_override
+from megatron_areal.launch.allocator import with_allocator
 from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.launch.sglang import SGLangLaunch
 
@@ -95,10 +96,11 @@ def visible_devices(local: tuple[int, ...], env: dict[str, str]) -> str | None:
 
 
 def role_env(gpus: tuple[int, ...], single_rank: bool, master: tuple[str, int] | None = None,
-             threads: int | None = None) -> dict[str, str]:
+             threads: int | None = None, allocator: str = "glibc") -> dict[str, str]:
     """Environment of a role. ``threads`` pins torch's CPU threads of a CPU role, so that servers
-    and trainer ranks sharing a machine divide its cores instead of oversubscribing them."""
-    env = dict(os.environ)
+    and trainer ranks sharing a machine divide its cores instead of oversubscribing them;
+    ``allocator`` (``cluster.cpu_allocator``) may preload mimalloc into a CPU role (launch/allocator.py)."""
+    env = dict(os.environ) if gpus else with_allocator(dict(os.environ), allocator)
     devices = visible_devices(gpus, env)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices

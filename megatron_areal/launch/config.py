@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_areal.configbase import require
 
@@ -18,6 +19,9 @@ class ClusterConfig:
     master_port: int = 29500  # torchrun rendezvous on the first trainer node
     cpu_threads: int = 1  # torch threads per trainer rank on CPU nodes (servers: server.threads)
     cpu_dp: int = 1  # data-parallel size of a CPU trainer node (GPU: trainer GPUs / (tp * pp))
+    # malloc of CPU trainer ranks: auto preloads mimalloc where installed (less fragmentation, faster
+    # steps than glibc's: launch/allocator.py), mimalloc requires it, glibc leaves malloc alone
+    cpu_allocator: Literal["auto", "mimalloc", "glibc"] = "auto"
     server_port_stride: int = 10  # ports reserved per server (SGLang opens a few next to --port)
     gpu_memory_gb: float = 80.0  # per GPU, for the dry-run memory check
     model_params_b: float = 0.0  # billions of parameters; 0: count them from the model's config.json

@@ -98,7 +98,8 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, override
     wait_for_servers(run.servers, list(plan.servers), cfg.server.startup_timeout_s, dead_server)
     t = plan.trainer
     cmd = trainer_command(plan, 0, config_path, overrides, run.plan)
-    env = role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port), threads=cfg.cluster.cpu_threads)
+    env = role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port), threads=cfg.cluster.cpu_threads,
+                   allocator=cfg.cluster.cpu_allocator)
     trainer = procs.start("trainer", cmd, env_with_api_key(env, cfg.server.api_key))
     keeper = ServerKeeper(procs, {c.name: c for c in procs.children if c.name in servers},
                           {name: slot.id for name, slot in servers.items()}, cfg.server.max_restarts,

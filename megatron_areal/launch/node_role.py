@@ -81,7 +81,8 @@ def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespac
     rank = t.nodes.index(node)
     cmd = trainer_command(plan, rank, args.config, args.overrides, args.plan)
     child = procs.start(f"torchrun-{node}", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port),
-                                                                 threads=cfg.cluster.cpu_threads))
+                                                                 threads=cfg.cluster.cpu_threads,
+                                                                 allocator=cfg.cluster.cpu_allocator))
     procs.wait_any()
     return child.returncode() or 0
 
