@@ -10,13 +10,14 @@ bench keeps the maximum itself), and the most memory glibc's ``malloc`` had hand
 phase: what a resident peak holds beyond that (less the libraries' ~0.35 GiB) is freed memory the C
 heap kept. Measured at c37df5c, 3 steps: a resident peak of 4.35 GiB where ``malloc`` never had more
 than 3.26 GiB out, so about 0.7 GiB of the peak was freed heap; with mimalloc preloaded instead of
-glibc's allocator (``LD_PRELOAD``, from the ``cmeel-mimalloc`` wheel) the peak was 3.75 GiB.
+glibc's allocator the peak was 3.75 GiB. So, like the launcher (``cluster.cpu_allocator``,
+launch/allocator.py), the bench preloads mimalloc where it is installed (``--allocator glibc``: not).
 After each step and save the bench releases freed heap memory as the trainer does (trainer/memory.py)
 unless ``--glibc-defaults``. No rollout servers: the weight push is not measured,
 nor rank 0's rollout controller and reward pool.
 
     python bench/trainer_memory.py [--steps 2] [--saves 1] [--threads 2] [--config configs/smollm2_arith.yaml]
-                                   [--glibc-defaults] [key=value ...]
+                                   [--glibc-defaults] [--allocator auto|mimalloc|glibc] [key=value ...]
 
 The last line is ``RESULT trainer_peak_rss_gb <process peak in GiB>``.
 """
@@ -70,6 +71,9 @@ class _MallocInUse:
 
     def __init__(self) -> None:
         self.peak = 0.0
+        if "libmimalloc" in os.environ.get("LD_PRELOAD", ""):  # glibc's counters would say nothing
+            self._mallinfo2 = None
+            return
         try:
             self._mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
             self._mallinfo2.restype = self._Info
@@ -136,7 +140,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--glibc-defaults", action="store_true",
                     help="skip the trainer's release of freed memory (megatron_areal/trainer/memory.py)")
+    ap.add_argument("--allocator", choices=("auto", "mimalloc", "glibc"), default="auto",
+                    help="the C allocator, as cluster.cpu_allocator gives the main job's trainer (default auto)")
     args = ap.parse_args()
+    from megatron_areal.launch.allocator import with_allocator
+
+    env = with_allocator(dict(os.environ), args.allocator)
+    if env.get("LD_PRELOAD", "") != os.environ.get("LD_PRELOAD", ""):  # preloading needs a fresh process
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    print(f"allocator: {'mimalloc' if 'libmimalloc' in env.get('LD_PRELOAD', '') else 'glibc'}")
     torch_threads = str(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", torch_threads)
     with socket.socket() as s:
