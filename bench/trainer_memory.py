@@ -89,6 +89,8 @@ class _MallocInUse:
         return (info.uordblks + info.hblkhd) / 2**30
 
     def take_peak(self) -> float:
+        if self._mallinfo2 is None:
+            return float("nan")
         peak, self.peak = max(self.peak, self.now()), 0.0
         return peak
 
