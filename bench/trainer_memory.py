@@ -83,8 +83,6 @@ class _MallocInUse:
         threading.Thread(target=self._sample, daemon=True).start()
 
     def now(self) -> float:
-        if self._mallinfo2 is None:
-            return float("nan")
         info = self._mallinfo2()
         return (info.uordblks + info.hblkhd) / 2**30
 

@@ -39,28 +39,33 @@ def case_step(recompute: bool, multiple: int = 1) -> list[torch.Tensor]:
     return weights
 
 
-def test_recomputation_changes_no_weight():
-    group = Group(1)
-    try:
-        group.submit(case_step, recompute=False)
-        plain = group.collect()[0]
-        group.submit(case_step, recompute=True)
-        recomputed = group.collect()[0]
-    finally:
-        group.close()
-    assert plain[0].dtype == torch.bfloat16
+@pytest.fixture(scope="module")
+def group():
+    g = Group(1)
+    yield g
+    g.close()
+
+
+def _weights_after_step(group: Group, **kwargs) -> list[torch.Tensor]:
+    group.submit(case_step, **kwargs)
+    return group.collect()[0]
+
+
+@pytest.fixture(scope="module")
+def plain(group) -> list[torch.Tensor]:
+    """The weights after a step without recomputation or padding, which both tests compare with."""
+    weights = _weights_after_step(group, recompute=False)
+    assert weights[0].dtype == torch.bfloat16
+    return weights
+
+
+def test_recomputation_changes_no_weight(group, plain):
+    recomputed = _weights_after_step(group, recompute=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
 
 
-def test_padded_microbatches_change_no_weight():
-    group = Group(1)
-    try:
-        group.submit(case_step, recompute=False)
-        plain = group.collect()[0]
-        group.submit(case_step, recompute=False, multiple=64)
-        padded = group.collect()[0]
-    finally:
-        group.close()
+def test_padded_microbatches_change_no_weight(group, plain):
+    padded = _weights_after_step(group, recompute=False, multiple=64)
     assert all(torch.equal(a, b) for a, b in zip(plain, padded, strict=True))
 
 
