@@ -82,10 +82,22 @@ class OptimizerConfig:
     # how bf16 weights follow their fp32 master after each step: nearest (Megatron's), or stochastic,
     # whose expected value is the master, so small lr steps reach the policy (actor/bf16_rounding.py)
     bf16_rounding: Literal["nearest", "stochastic"] = "nearest"
+    # Megatron's precision-aware distributed optimizer (actor/precision_adam.py): the fp32 master weights
+    # kept as the bf16 weights plus 16-bit remainders (no fp32 copy), and gradients and Adam moments in the
+    # dtypes below; bf16 values are rounded as bf16_rounding says. Bytes per parameter beside the bf16
+    # weight: 2 + 2 + 2 + 2 with all three bf16, against 4 + 4 + 4 + 4 (master, gradient, moments).
+    precision_aware: bool = False
+    main_grads_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient buffer: accumulation and reduction
+    exp_avg_dtype: Literal["float32", "bfloat16"] = "float32"
+    exp_avg_sq_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.lr > 0, "lr", "must be positive")
+        for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            require(self.precision_aware or getattr(self, key) == "float32", key,
+                    "other than float32 needs optimizer.precision_aware: true")
+        require(not self.precision_aware or self.distributed, "precision_aware", "needs optimizer.distributed: true")
         require(0 <= self.min_lr <= self.lr, "min_lr", "must be between 0 and lr")
         require(self.clip_grad >= 0, "clip_grad", "must be >= 0")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")

@@ -54,6 +54,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_areal.actor import packed_rope
 from megatron_areal.actor.attention import PackedCoreAttention
 from megatron_areal.actor.moe_compat import ensure_router_gemm_fallback
+from megatron_areal.actor.swiglu import SwiGLU
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
 from megatron_areal.model.rope import rope_inv_freq
@@ -182,10 +183,12 @@ def moe_config(arch: ModelArch, *, ep: int = 1, etp: int = 1, aux_loss_coef: flo
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                        dtype: torch.dtype = torch.float32, on_gpu: bool = False,
                        p2p_batched: bool = True, ep: int = 1, etp: int = 1,
-                       aux_loss_coef: float | None = None, recompute: bool = False) -> TransformerConfig:
+                       aux_loss_coef: float | None = None, recompute: bool = False,
+                       spec_activation: bool = False) -> TransformerConfig:
     """The TransformerConfig of ``arch``; fusions that need TE/Apex/CUDA stay off. ``recompute``: keep
     only each layer's input for the backward and recompute the layer there (Megatron's full, uniform
-    recomputation, one layer at a time; the same gradients for one more forward)."""
+    recomputation, one layer at a time; the same gradients for one more forward). ``spec_activation``:
+    the layer spec gives the MLP's activation (``spec_gives_activation``)."""
     check_layout(arch, tp, pp, ep, etp)
     moe = moe_config(arch, ep=ep, etp=etp, aux_loss_coef=aux_loss_coef)
     # every layer of a supported MoE model is a MoE layer: its expert width is the only MLP width
@@ -206,10 +209,18 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_pa
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        # the MLP takes its activation from the layer spec where the spec gives one (actor/swiglu.py)
+        use_te_activation_func=spec_activation,
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute
            else {}),
         **({"moe_token_dispatcher_type": "alltoall"} | moe),
     )
+
+
+def spec_gives_activation(arch: ModelArch, use_te: bool) -> bool:
+    """Whether ``layer_spec`` hands the MLP its activation (``SwiGLU``, lean on memory): dense models on the
+    local spec; MoE experts and Transformer Engine keep their own."""
+    return not use_te and not arch.is_moe
 
 
 def layer_spec(arch: ModelArch, use_te: bool) -> ModuleSpec:
@@ -225,6 +236,8 @@ def layer_spec(arch: ModelArch, use_te: bool) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
                                     normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    if spec_gives_activation(arch, use_te):
+        spec.submodules.mlp.submodules.activation_func = SwiGLU
     return spec
 
 
@@ -300,7 +313,7 @@ def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
         ensure_router_gemm_fallback()
     config = transformer_config(arch, tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype,
                                 on_gpu=on_gpu, p2p_batched=on_gpu, ep=ep, etp=etp, aux_loss_coef=aux_loss_coef,
-                                recompute=recompute)
+                                recompute=recompute, spec_activation=spec_gives_activation(arch, use_te))
     torch.manual_seed(seed)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(arch, use_te),

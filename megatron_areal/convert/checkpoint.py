@@ -105,7 +105,11 @@ def _ensure_optimizer_state(optimizer: Any) -> None:
         for group in getattr(inner, "param_groups", []):
             for p in group["params"]:
                 state = inner.state[p]
-                if not state:
+                if state:
+                    continue
+                if hasattr(inner, "initialize_state"):  # actor/precision_adam.py: its own dtypes and remainders
+                    inner.initialize_state(p)
+                else:
                     state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
 

@@ -1,0 +1,206 @@
+"""Adam with low-precision state, as the inner optimizer of Megatron's precision-aware distributed optimizer.
+
+With ``use_precision_aware_optimizer`` megatron-core's distributed optimizer keeps no fp32 copies of its
+own: it hands the inner Adam the bf16 weight shards (views of the model's weights) and their gradients
+in ``.decoupled_grad`` (views of the DDP gradient buffer, fp32 or bf16), and the inner Adam owns the
+master weights and the moments, in the dtypes it is given (``exp_avg_dtype``, ``exp_avg_sq_dtype``), and
+writes the updated weights back itself. On GPUs Transformer Engine's FusedAdam fills that role; this
+class is the same contract (``initialize_state``, ``get_unscaled_state``, ``set_scaled_state``) in plain
+torch, so it runs on CPUs too.
+
+Master weights as remainders (FusedAdam's ``store_param_remainders``): an fp32 master differs from its
+bf16 weight only in the low 16 bits of its bit pattern, so it is stored as the bf16 weight plus a 16-bit
+signed remainder: 2 bytes a parameter instead of 4. With ``rounding="nearest"`` the weight is the
+master rounded to nearest; with ``rounding="stochastic"`` it rounds up with probability equal to the
+dropped fraction, so its expected value is the master (actor/bf16_rounding.py says why small steps
+need that). The distance from a stochastically rounded weight to its master takes 17 bits, so the
+master keeps 22 of fp32's 23 mantissa bits (its last bit rounded the same way before the split): a
+relative spacing of 2^-22, thousands of times finer than a step of Adam at lr 1e-5. bf16 moments are
+rounded as the weights are.
+
+Each update is done in fp32, a chunk of elements at a time, so the only temporaries are a few chunks.
+With fp32 weights, gradients and moments it is torch's ``AdamW`` (or ``Adam``) bit for bit; with bf16 weights
+and fp32 moments its master follows torch's fp32 ``AdamW`` to within that last bit.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Rounding = Literal["nearest", "stochastic"]
+_CHUNK = 1 << 20
+_LOW = 0xFFFF
+_HIGH = -0x10000  # 0xFFFF0000 as int32
+
+
+def join_master(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master whose bit pattern is the bf16 ``weight``'s followed by zeros, plus 2 x ``remainder``
+    (int16) in the low bits."""
+    bits = (weight.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32) * 2
+    return bits.view(torch.float32)
+
+
+def split_master_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor,
+                  noise: torch.Tensor | None = None) -> None:
+    """Write fp32 ``master`` into the bf16 ``weight`` and the int16 ``remainder`` from which ``join_master``
+    gives it back, but for its last mantissa bit: the master is first rounded to an even bit pattern.
+    Both roundings are to nearest (ties to a multiple of 4, and up in magnitude) or, given ``noise``
+    (uniform 17-bit integers, int32), stochastic: up with probability equal to the dropped fraction."""
+    bits = master.view(torch.int32)
+    if noise is None:
+        even = (bits + bits.bitwise_right_shift(1).bitwise_and_(1)).bitwise_and_(-2)
+        high = (even + 0x8000).bitwise_and_(_HIGH)
+    else:
+        even = (bits + noise.bitwise_right_shift(16)).bitwise_and_(-2)
+        high = (even + noise.bitwise_and(_LOW)).bitwise_and_(_HIGH)
+    remainder.copy_((even - high).bitwise_right_shift_(1))  # even - high is even and within (-2^16, 2^16)
+    weight.copy_(high.view(torch.float32))  # exact: the low half is zero
+
+
+def keep_weight_set_master_(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Tensor) -> None:
+    """Set ``remainder`` so that ``join_master(weight, remainder)`` is fp32 ``master`` (to its last bit), keeping
+    the bf16 ``weight`` where it is one of the master's two bf16 neighbours (as any weight rounded from it is);
+    elsewhere the weight becomes the master rounded to nearest."""
+    bits = master.view(torch.int32)
+    even = (bits + bits.bitwise_right_shift(1).bitwise_and_(1)).bitwise_and_(-2)
+    low = even - (weight.view(torch.int16).to(torch.int32) << 16)
+    if bool((low.abs() < 1 << 16).all()):
+        remainder.copy_(low.bitwise_right_shift_(1))
+    else:
+        split_master_(master, weight, remainder)
+
+
+def _store_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor | None) -> None:
+    """Write fp32 ``src`` into ``dst`` (its own dtype); into bf16 with ``noise`` (uniform 16-bit integers,
+    int32) rounding stochastically, else to nearest."""
+    if dst.dtype == torch.bfloat16 and noise is not None:
+        dst.copy_(src.view(torch.int32).add(noise).bitwise_and_(_HIGH).view(torch.float32))
+    elif dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)
+
+
+def _noise(n: int, generator: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Uniform integers of 17, 16 and 16 bits (int32) for ``n`` elements, cut from one 63-bit draw each
+    (one int64 draw costs about what one bounded 16-bit draw does)."""
+    bits = torch.empty(n, dtype=torch.int64, device=device).random_(generator=generator)
+    return ((bits & 0x1FFFF).to(torch.int32), (bits >> 17 & _LOW).to(torch.int32),
+            (bits >> 33 & _LOW).to(torch.int32))
+
+
+class PrecisionAwareAdam(torch.optim.AdamW):
+    """Adam(W) over (bf16) weight shards whose master weights and moments it keeps itself.
+
+    The keyword arguments are those megatron-core passes to Transformer Engine's FusedAdam in
+    precision-aware mode; ``rounding`` and ``seed`` are ours. Gradients come from ``p.decoupled_grad``
+    (``use_decoupled_grad``) or ``p.grad``. A subclass of torch's ``AdamW`` because Megatron's
+    distributed optimizer accepts only the Adam family (its checkpoints hold their state layout);
+    ``step`` and the state are this class's own.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, adam_w_mode: bool = True, exp_avg_dtype: torch.dtype = torch.float32,
+                 exp_avg_sq_dtype: torch.dtype = torch.float32, master_weights: bool = True,
+                 master_weight_dtype: torch.dtype = torch.float32, use_decoupled_grad: bool = True,
+                 store_param_remainders: bool = True, rounding: Rounding = "nearest", seed: int = 0) -> None:
+        for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+            if dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, got {dtype}")
+        if not master_weights or master_weight_dtype != torch.float32 or not store_param_remainders:
+            raise ValueError("PrecisionAwareAdam keeps fp32 master weights as remainders only "
+                             "(master_weights=True, master_weight_dtype=torch.float32, store_param_remainders=True)")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.adam_w_mode, self.use_decoupled_grad, self.rounding = adam_w_mode, use_decoupled_grad, rounding
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def initialize_state(self, param: torch.Tensor) -> None:
+        """Zero moments, step 0, and for bf16 weights a zero remainder (the master is the weight)."""
+        state = self.state[param]
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros(param.shape, dtype=self.exp_avg_dtype, device=param.device)
+        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=self.exp_avg_sq_dtype, device=param.device)
+        if param.dtype == torch.bfloat16:
+            state["master_param"] = torch.zeros(param.shape, dtype=torch.int16, device=param.device)
+        elif param.dtype != torch.float32:
+            raise TypeError(f"PrecisionAwareAdam takes bf16 or fp32 parameters, got {param.dtype}")
+
+    def get_unscaled_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
+        """State ``key`` for Megatron's checkpoints: the master as an fp32 tensor (the form every Megatron
+        optimizer saves), the moments as stored (Megatron copies them into its own tensors)."""
+        state = self._state(param)
+        if key == "master_param" and "master_param" in state:
+            return join_master(param.detach(), state["master_param"])
+        return state[key]
+
+    def set_scaled_state(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
+        """Load state ``key`` from a checkpoint (``get_unscaled_state``'s form). The master's remainder is
+        taken against the weight as loaded, so a stochastically rounded weight stays as it was saved."""
+        state = self._state(param)
+        value = value.reshape(param.shape)
+        if key == "master_param" and "master_param" in state:
+            keep_weight_set_master_(param.detach(), state["master_param"], value.float())
+        elif key == "master_param":
+            param.detach().copy_(value)  # fp32 weights are their own master
+        else:
+            state[key].copy_(value)
+
+    def _state(self, param: torch.Tensor) -> dict:
+        if not self.state[param]:
+            self.initialize_state(param)
+        return self.state[param]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``state_dict`` gave it; torch's own would cast every state tensor to its parameter's dtype (bf16),
+        the remainders included. (Megatron's distributed optimizer loads through here with placeholders,
+        then sets the real values with ``set_scaled_state``.)"""
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            state = self._state(params[index])
+            for key, value in saved.items():
+                if key == "step":
+                    state["step"] = torch.as_tensor(value, dtype=torch.float32).clone()
+                else:
+                    state[key].copy_(value.reshape(state[key].shape))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = getattr(param, "decoupled_grad", None) if self.use_decoupled_grad else param.grad
+                if grad is None:
+                    continue
+                if not self.state[param]:
+                    self.initialize_state(param)
+                state = self.state[param]
+                state["step"] += 1
+                self._update(param, grad, state, group, float(state["step"]))
+        return loss
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: float) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        step_size = lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        flat = {k: t.view(-1) for k, t in (("p", param), ("g", grad), ("m", state["exp_avg"]),
+                                           ("v", state["exp_avg_sq"]), ("r", state.get("master_param")))
+                if t is not None}
+        for start in range(0, param.numel(), _CHUNK):
+            c = {k: t[start:start + _CHUNK] for k, t in flat.items()}
+            master = join_master(c["p"], c["r"]) if "r" in c else c["p"]
+            g = c["g"].float()
+            if wd and not self.adam_w_mode:
+                g = g.add(master, alpha=wd)
+            m, v = c["m"].float(), c["v"].float()  # views when fp32: updated in place, as torch's Adam does
+            if wd and self.adam_w_mode:
+                master.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            master.addcdiv_(m, denom, value=-step_size)
+            noise = _noise(g.numel(), self.generator, g.device) if self.rounding == "stochastic" else (None,) * 3
+            _store_(c["m"], m, noise[1])
+            _store_(c["v"], v, noise[2])
+            if "r" in c:
+                split_master_(master, c["p"], c["r"], noise[0])

@@ -1,0 +1,190 @@
+"""The precision-aware optimizer (optimizer.precision_aware, actor/precision_adam.py) against torch's Adam.
+
+- fp32 weights, gradients and moments: torch's ``AdamW`` and ``Adam`` bit for bit;
+- bf16 weights with the master kept as remainders: the master follows torch's fp32 ``AdamW`` to within
+  its last bit a step, and the weight is the master rounded to nearest;
+- stochastic rounding: weights and bf16 moments equal torch's fp32 values in the mean, where
+  nearest rounding would not move them;
+- in Megatron's distributed optimizer: no fp32 state at all with bf16 gradients and moments (8 bytes a
+  parameter where the default holds 16), a PPO step moves the weights as the default optimizer does,
+  and a checkpoint resumes bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_actor_parallel import ARCHS, _trajectories
+
+from megatron_areal.actor.precision_adam import PrecisionAwareAdam, join_master, split_master_
+from megatron_areal.convert.spawn import WorkerPool
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], attr: str) -> None:
+    for g in grads:
+        for p in params:
+            setattr(p, attr, g.to(p.dtype))
+        opt.step()
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_fp32_equals_torch_adam_bit_for_bit(adam_w_mode):
+    torch.manual_seed(0)
+    start = torch.randn(5000) * 0.05
+    grads = [torch.randn(5000) for _ in range(6)]
+    ref, ours = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    kwargs = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    reference = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)([ref], foreach=False, **kwargs)
+    _steps(reference, [ref], grads, "grad")
+    _steps(PrecisionAwareAdam([ours], adam_w_mode=adam_w_mode, **kwargs), [ours], grads, "decoupled_grad")
+    assert torch.equal(ref, ours)
+
+
+def test_bf16_master_follows_torch_adamw_and_weight_is_it_rounded_to_nearest():
+    torch.manual_seed(1)
+    weight = torch.nn.Parameter((torch.randn(20_000) * 0.05).bfloat16())
+    master_ref = torch.nn.Parameter(weight.detach().float().clone())
+    grads = [torch.randn(20_000).bfloat16().float() for _ in range(8)]
+    _steps(torch.optim.AdamW([master_ref], lr=1e-4, weight_decay=0.01, foreach=False), [master_ref], grads, "grad")
+    opt = PrecisionAwareAdam([weight], lr=1e-4, weight_decay=0.01)
+    _steps(opt, [weight], grads, "decoupled_grad")
+    master = join_master(weight.detach(), opt.state[weight]["master_param"])
+    ref = master_ref.detach()
+    # within one fp32 spacing a step, at the largest magnitude the weight passed through
+    spacing = torch.finfo(torch.float32).eps * (master_ref.detach().abs().maximum(weight.detach().float().abs()) + 8e-4)
+    assert float(((master - ref).abs() / spacing).max()) <= 8
+    tie = master.view(torch.int32).bitwise_and(0xFFFF) == 0x8000  # halfway: ours rounds up in magnitude
+    assert torch.equal(weight.detach()[~tie], master.bfloat16()[~tie])  # rounded to nearest
+    assert float((weight.detach() != master_ref.detach().bfloat16()).float().mean()) < 1e-3
+
+
+def test_split_and_join_keep_the_master_but_its_last_bit():
+    torch.manual_seed(2)
+    master = torch.randn(100_000) * torch.logspace(-6, 2, 100_000)
+    for noise in (None, torch.randint(0, 1 << 17, master.shape, dtype=torch.int32)):
+        weight = torch.empty(master.shape, dtype=torch.bfloat16)
+        remainder = torch.empty(master.shape, dtype=torch.int16)
+        split_master_(master, weight, remainder, noise)
+        back = join_master(weight, remainder)
+        assert int((back.view(torch.int32) - master.view(torch.int32)).abs().max()) <= 1
+        spacing = torch.ldexp(torch.ones_like(master), torch.frexp(master).exponent - 8)  # bf16's, at the master
+        distance = (weight.float() - master).abs()
+        assert bool((distance < spacing).all())  # one of the two bf16 neighbours
+        if noise is None:
+            assert bool((distance <= spacing / 2 * (1 + 2.0 ** -15)).all())  # and the nearest, to its last bit
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_is_stuck():
+    n = 400_000
+    start = torch.full((n,), 0.05)
+    grads = [torch.full((n,), 0.25 + 0.125 * i) for i in range(4)]  # exact in bf16
+    ref = torch.nn.Parameter(start.bfloat16().float())
+    reference = torch.optim.AdamW([ref], lr=1e-5, weight_decay=0.0, foreach=False)
+    _steps(reference, [ref], grads, "grad")
+    out = {}
+    for rounding in ("nearest", "stochastic"):
+        w = torch.nn.Parameter(start.bfloat16())
+        opt = PrecisionAwareAdam([w], lr=1e-5, rounding=rounding, exp_avg_dtype=torch.bfloat16,
+                                 exp_avg_sq_dtype=torch.bfloat16)
+        _steps(opt, [w], grads, "decoupled_grad")
+        out[rounding] = (w.detach().double(), opt.state[w])
+    spacing = 2.0 ** -12  # bf16 at 0.05; four steps of 1e-5 are a sixth of it
+    moved = float(ref.detach()[0]) - float(start.bfloat16()[0])
+    assert abs(moved) > 0.1 * spacing
+    assert bool((out["nearest"][0] == float(start.bfloat16()[0])).all())  # nearest never moved
+    weights, state = out["stochastic"]
+    assert abs(float(weights.mean()) - float(ref.detach()[0])) < 0.02 * spacing
+    for key in ("exp_avg", "exp_avg_sq"):
+        expected = float(reference.state[ref][key][0])
+        assert state[key].dtype == torch.bfloat16
+        assert abs(float(state[key].double().mean()) - expected) < 1e-3 * abs(expected)
+
+
+def test_state_keeps_its_dtypes_through_a_state_dict_and_the_master_through_a_checkpoint():
+    w = torch.nn.Parameter((torch.randn(300) * 0.05).bfloat16())
+    opt = PrecisionAwareAdam([w], lr=1e-4, exp_avg_dtype=torch.bfloat16, rounding="stochastic")
+    w.decoupled_grad = torch.randn(300).bfloat16()
+    opt.step()
+    fresh = PrecisionAwareAdam([w], lr=1e-4, exp_avg_dtype=torch.bfloat16)
+    fresh.load_state_dict(opt.state_dict())
+    for key, value in opt.state[w].items():
+        assert fresh.state[w][key].dtype == value.dtype and torch.equal(fresh.state[w][key], value), key
+    # Megatron's checkpoints hold the fp32 master; loading it keeps the (stochastically rounded) weight
+    master = opt.get_unscaled_state(w, "master_param")
+    assert master.dtype == torch.float32 and not torch.equal(master.bfloat16(), w.detach())
+    weight = w.detach().clone()
+    other = PrecisionAwareAdam([w], lr=1e-4)
+    other.set_scaled_state(w, "master_param", master)
+    assert torch.equal(w.detach(), weight)
+    assert torch.equal(other.state[w]["master_param"], opt.state[w]["master_param"])
+
+
+# In Megatron's distributed optimizer (spawned, one rank)
+
+def case_precision_aware(rounding: str, tmp: str) -> dict:
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.convert.checkpoint import Checkpointer
+
+    groups = init_parallel(1, 1, seed=3, backend="gloo")
+
+    def actor(precision_aware: bool, seed: int = 3):
+        lean = dict(precision_aware=True, main_grads_dtype="bfloat16", exp_avg_dtype="bfloat16",
+                    exp_avg_sq_dtype="bfloat16") if precision_aware else {}
+        return Actor(ARCHS["llama"], ModelConfig(max_seq_len=40, dtype="bfloat16"),
+                     ParallelConfig(tp=1, pp=1, max_tokens_per_mb=48),
+                     OptimizerConfig(lr=1e-3, bf16_rounding=rounding, **lean), PPOConfig(), groups, seed=seed,
+                     total_steps=4)
+
+    def weights(a):
+        return [p.detach().clone() for c in a.model for p in c.parameters()]
+
+    out = {}
+    default, lean = actor(False), actor(True)
+    out["start_equal"] = all(torch.equal(x, y) for x, y in zip(weights(default), weights(lean), strict=True))
+    start = weights(lean)
+    for a in (default, lean):
+        a.ppo_update(_trajectories(), 0.7)
+    out["start"], out["default"], out["lean"] = start, weights(default), weights(lean)
+    def subs(a):
+        return getattr(a.optimizer, "chained_optimizers", [a.optimizer])
+
+    out["no_fp32_master"] = all(m is None for o in subs(lean) for g in o.shard_fp32_from_float16_groups for m in g)
+    n_params = sum(p.numel() for c in lean.model for p in c.parameters())
+
+    def held_bytes(a) -> float:  # fp32 masters, moments, remainders
+        masters = [m for o in subs(a) for g in o.shard_fp32_from_float16_groups for m in g if m is not None]
+        state = [t for o in subs(a) for st in o.optimizer.state.values() for k, t in st.items() if k != "step"]
+        return sum(t.numel() * t.element_size() for t in masters + state) / n_params
+
+    out["state_bytes_per_param"] = {"default": held_bytes(default), "lean": held_bytes(lean)}
+    out["grad_dtype"] = lean.model[0].buffers[0].grad_data.dtype
+    ckpt = Checkpointer(tmp, ARCHS["llama"], groups, keep=1)
+    ckpt.save(1, lean.model, lean.optimizer, lean.scheduler)
+    resumed = actor(True, seed=9)
+    ckpt.load(ckpt.latest(), resumed.model, resumed.optimizer, resumed.scheduler)
+    for a in (lean, resumed):
+        a.ppo_update(_trajectories(), 0.7)
+    out["resumed_equal"] = all(torch.equal(x, y) for x, y in zip(weights(lean), weights(resumed), strict=True))
+    teardown_parallel()
+    return out
+
+
+def test_in_megatrons_distributed_optimizer(tmp_path):
+    with WorkerPool(1, timeout_s=300) as pool:
+        out = pool.run(case_precision_aware, "nearest", str(tmp_path))[0]
+    assert out["start_equal"]
+    assert out["no_fp32_master"] and out["grad_dtype"] == torch.bfloat16
+    # fp32 master 4 + moments 8 (the fp32 gradient buffer's 4 besides) against remainders 2 + bf16 moments 4
+    assert out["state_bytes_per_param"] == {"default": 12.0, "lean": 6.0}
+    # one PPO step at lr 1e-3 moves the weights by about lr either way, in the same direction
+    for start, default, lean in zip(out["start"], out["default"], out["lean"], strict=True):
+        d, ln = (default.float() - start.float()).flatten(), (lean.float() - start.float()).flatten()
+        if not d.any():  # a weight the batch does not reach
+            assert not ln.any()
+            continue
+        assert float(torch.nn.functional.cosine_similarity(d, ln, dim=0)) > 0.99
+    assert out["resumed_equal"]
