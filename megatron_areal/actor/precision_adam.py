@@ -24,6 +24,8 @@ and fp32 moments its master follows torch's fp32 ``AdamW`` to within that last b
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -37,8 +39,8 @@ _HIGH = -0x10000  # 0xFFFF0000 as int32
 def join_master(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master whose bit pattern is the bf16 ``weight``'s followed by zeros, plus 2 x ``remainder``
     (int16) in the low bits."""
-    bits = (weight.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32) * 2
-    return bits.view(torch.float32)
+    bits = weight.view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
+    return bits.add_(remainder.to(torch.int32), alpha=2).view(torch.float32)
 
 
 def split_master_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor,
@@ -129,9 +131,26 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         """State ``key`` for Megatron's checkpoints: the master as an fp32 tensor (the form every Megatron
         optimizer saves), the moments as stored (Megatron copies them into its own tensors)."""
         state = self._state(param)
-        if key == "master_param" and "master_param" in state:
+        if key == "master_param" and "master_param" in state and state["master_param"].dtype == torch.int16:
             return join_master(param.detach(), state["master_param"])
         return state[key]
+
+    @contextmanager
+    def fp32_masters(self) -> Iterator[None]:
+        """Hold every master as an fp32 tensor in place of its remainder while inside (for a checkpoint save,
+        which needs the fp32 masters: the remainders' memory is given up meanwhile, not added to); the
+        remainders come back exactly."""
+        held = [(p, st) for p, st in self.state.items() if st.get("master_param") is not None
+                and st["master_param"].dtype == torch.int16]
+        for param, state in held:
+            state["master_param"] = join_master(param.detach(), state["master_param"])
+        try:
+            yield
+        finally:
+            for param, state in held:
+                master = state["master_param"]
+                state["master_param"] = torch.empty(master.shape, dtype=torch.int16, device=master.device)
+                keep_weight_set_master_(param.detach(), state["master_param"], master)
 
     def set_scaled_state(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Load state ``key`` from a checkpoint (``get_unscaled_state``'s form). The master's remainder is

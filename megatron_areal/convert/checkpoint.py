@@ -25,7 +25,7 @@ import random
 import re
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -190,6 +190,32 @@ def _save_state_as_views(optimizer: Any, is_loading: bool) -> Iterator[None]:
             del sub.sharded_param_state_fully_reshardable
 
 
+@contextmanager
+def _fp32_masters(optimizer: Any) -> Iterator[None]:
+    """While saving, precision-aware optimizers (actor/precision_adam.py) hold their masters in fp32, the form
+    a checkpoint stores, instead of as remainders beside them."""
+    with ExitStack() as stack:
+        for sub in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []:
+            if hasattr(getattr(sub, "optimizer", None), "fp32_masters"):
+                stack.enter_context(sub.optimizer.fp32_masters())
+        yield
+
+
+@contextmanager
+def _grad_buffers_released(model: list[torch.nn.Module]) -> Iterator[None]:
+    """Free the DDP gradient buffers while saving (Megatron's ``offload_grad_buffers``): a saved step's
+    gradients are spent, and the save itself needs memory (copies of the weights and optimizer state
+    it writes). They come back zeroed, as the next step starts them."""
+    chunks = [c for c in model if hasattr(c, "offload_grad_buffers")]
+    for c in chunks:
+        c.offload_grad_buffers(synchronize=False, empty_cache=False)
+    try:
+        yield
+    finally:
+        for c in chunks:
+            c.restore_grad_buffers(synchronize=False)
+
+
 class Checkpointer:
     """Save and resume the training state of one run under ``root`` (collective calls)."""
 
@@ -241,10 +267,11 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         self._barrier()
-        state = self._state(model, optimizer, scheduler, is_loading=False, with_rng=True)
-        state["extra"] = extra or {}
-        state["step"] = step
-        dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
+        with _grad_buffers_released(model), _fp32_masters(optimizer):
+            state = self._state(model, optimizer, scheduler, is_loading=False, with_rng=True)
+            state["extra"] = extra or {}
+            state["step"] = step
+            dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
         self._barrier()
         if dist.get_rank() == 0:
             g = self.groups

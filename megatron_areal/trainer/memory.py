@@ -1,4 +1,5 @@
-"""Give the trainer's freed tensor memory back to the system after each step (glibc ``malloc_trim``).
+"""Give the trainer's freed tensor memory back to the system after each step (glibc ``malloc_trim``, or
+mimalloc's ``mi_collect`` where the launcher preloaded it: launch/allocator.py).
 
 PyTorch's CPU tensors come from ``malloc``. glibc serves requests below its mmap threshold from
 heaps that it returns to the system only from their top, and the threshold rises (up to 32 MiB)
@@ -13,28 +14,36 @@ between steps (what is really held: weights, fp32 master, fp32 gradients, Adam m
 libraries), peak 4.61 GiB. A fixed mmap threshold instead (``mallopt``) gave a lower peak (4.06
 GiB at 64 KiB) but doubled the step time (45 s: a mapping and its page faults per tensor); at
 4 MiB it was slower (37 s) and saved nothing.
+
+mimalloc returns freed memory after a delay, but only on its own later calls: after a checkpoint save
+(transient copies of weights and optimizer state) the next step ran with the save's freed memory still
+resident, its peak 0.25 GiB above the others (bench/trainer_memory.py, precision-aware optimizer);
+``mi_collect(true)`` after the save gives it back.
 """
 from __future__ import annotations
 
 import ctypes
 
 
-def _libc() -> ctypes.CDLL | None:
+def _release_function():
+    """mimalloc's ``mi_collect(force)`` if it is loaded in this process, else glibc's ``malloc_trim(pad)``."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim  # noqa: B018 - glibc only
+        return ctypes.CDLL(None).mi_collect  # preloaded: its symbols are in the process's global scope
+    except AttributeError:
+        pass
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc only
     except (OSError, AttributeError):
         return None
-    return libc
 
 
-_LIBC = _libc()
+_RELEASE = _release_function()
 
 
 def release_freed_memory() -> bool:
-    """Return the free pages of the C heap to the system (call between steps, not inside one).
-    Returns False where the C library is not glibc (nothing is done)."""
-    if _LIBC is None:
+    """Return the C heap's free pages to the system (call between steps, not inside one).
+    Returns False where the allocator is neither glibc's nor mimalloc (nothing is done)."""
+    if _RELEASE is None:
         return False
-    _LIBC.malloc_trim(0)
+    _RELEASE(1 if _RELEASE.__name__ == "mi_collect" else 0)  # mi_collect(force=true), malloc_trim(pad=0)
     return True
