@@ -188,3 +188,78 @@ def test_in_megatrons_distributed_optimizer(tmp_path):
             continue
         assert float(torch.nn.functional.cosine_similarity(d, ln, dim=0)) > 0.99
     assert out["resumed_equal"]
+
+
+def case_data_parallel(root: str, save: bool) -> dict:
+    """One precision-aware step on the same batch at this world size (all ranks data parallel). With ``save``
+    the checkpoint goes to ``root`` and is loaded back at this layout; else the checkpoint there (saved at
+    DP2) is loaded into a one-rank actor."""
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.convert.checkpoint import Checkpointer
+
+    groups = init_parallel(1, 1, seed=3, backend="gloo")
+
+    def actor(seed: int = 3):
+        return Actor(ARCHS["llama"], ModelConfig(max_seq_len=40, dtype="bfloat16"),
+                     ParallelConfig(tp=1, pp=1, max_tokens_per_mb=48),
+                     OptimizerConfig(lr=1e-3, precision_aware=True, main_grads_dtype="bfloat16",
+                                     exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16"),
+                     PPOConfig(), groups, seed=seed, total_steps=4)
+
+    def weights(a) -> list[torch.Tensor]:
+        return [p.detach().clone() for c in a.model for p in c.parameters()]
+
+    def state(a) -> list[torch.Tensor]:  # this rank's masters (fp32) and moments, parameter by parameter
+        out = []
+        for c in a.model:
+            for p in c.parameters():
+                for sub in getattr(a.optimizer, "chained_optimizers", [a.optimizer]):
+                    if p in sub.model_param_group_index_map:  # at DP > 1: a shard on this rank
+                        out += [t.detach().clone().view(-1)
+                                for t in sub._get_main_param_and_optimizer_states(p).values() if t.dim()]
+        return out
+
+    ckpt = Checkpointer(root, ARCHS["llama"], groups, keep=1)
+    out = {}
+    if save:
+        stepped = actor()
+        stepped.ppo_update(_trajectories(), 0.7)
+        out["weights"] = weights(stepped)
+        ckpt.save(1, stepped.model, stepped.optimizer, stepped.scheduler)
+        loaded = actor(seed=9)
+        ckpt.load(ckpt.latest(), loaded.model, loaded.optimizer, loaded.scheduler)
+        out["state_equal"] = all(torch.equal(x, y) for x, y in zip(state(stepped), state(loaded), strict=True))
+    else:
+        stepped = actor()
+        stepped.ppo_update(_trajectories(), 0.7)
+        out["stepped"] = weights(stepped)
+        loaded = actor(seed=9)
+        ckpt.load(ckpt.latest(), loaded.model, loaded.optimizer, loaded.scheduler)
+        out["weights"] = weights(loaded)
+        masters = [t for t in state(loaded) if t.dtype == torch.float32]
+        out["weights_are_masters_rounded"] = all(  # to nearest; halfway ties round up in magnitude, not to even
+            torch.equal(w.view(-1)[keep], m.bfloat16()[keep]) for w, m in zip(out["weights"], masters, strict=True)
+            for keep in [m.view(torch.int32).bitwise_and(0xFFFF) != 0x8000])
+    teardown_parallel()
+    return out
+
+
+def test_data_parallel_step_and_checkpoint(tmp_path):
+    """Two data-parallel ranks take the step one rank takes on the same batch (to bf16 rounding: their
+    gradients sum in another order); their checkpoint loads back at DP2 with the same masters and
+    moments, and at one rank with the same weights and masters they round to."""
+    with WorkerPool(2, timeout_s=300) as pool:
+        two = pool.run(case_data_parallel, str(tmp_path), True)
+    with WorkerPool(1, timeout_s=300) as pool:
+        one = pool.run(case_data_parallel, str(tmp_path), False)[0]
+    assert two[0]["state_equal"] and two[1]["state_equal"]
+    assert all(torch.equal(a, b) for a, b in zip(two[0]["weights"], two[1]["weights"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(two[0]["weights"], one["weights"], strict=True))
+    assert one["weights_are_masters_rounded"]
+    for a, b in zip(two[0]["weights"], one["stepped"], strict=True):
+        # Adam's step is +-lr where a gradient is near zero, whichever side the other order puts it
+        assert float((a.float() - b.float()).abs().max()) <= 2e-3 + float(a.float().abs().max()) / 128
+        assert float((a != b).float().mean()) < 0.05

@@ -63,14 +63,23 @@ def split_master_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.T
 def keep_weight_set_master_(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Tensor) -> None:
     """Set ``remainder`` so that ``join_master(weight, remainder)`` is fp32 ``master`` (to its last bit), keeping
     the bf16 ``weight`` where it is one of the master's two bf16 neighbours (as any weight rounded from it is);
-    elsewhere the weight becomes the master rounded to nearest."""
-    bits = master.view(torch.int32)
-    even = (bits + bits.bitwise_right_shift(1).bitwise_and_(1)).bitwise_and_(-2)
-    low = even - (weight.view(torch.int16).to(torch.int32) << 16)
-    if bool((low.abs() < 1 << 16).all()):
-        remainder.copy_(low.bitwise_right_shift_(1))
-    else:
-        split_master_(master, weight, remainder)
+    elsewhere the weight becomes the master rounded to nearest. A chunk at a time."""
+    for w, r, m in zip(*(t.view(-1).split(_CHUNK) for t in (weight, remainder, master)), strict=True):
+        bits = m.view(torch.int32)
+        even = (bits + bits.bitwise_right_shift(1).bitwise_and_(1)).bitwise_and_(-2)
+        low = even.sub_(w.view(torch.int16).to(torch.int32).bitwise_left_shift_(16))
+        if bool((low.abs() < 1 << 16).all()):
+            r.copy_(low.bitwise_right_shift_(1))
+        else:
+            split_master_(m, w, r)
+
+
+def joined_master(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """``join_master`` into a new fp32 tensor a chunk at a time (for whole parameters)."""
+    out = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    for o, w, r in zip(*(t.view(-1).split(_CHUNK) for t in (out, weight, remainder)), strict=True):
+        o.copy_(join_master(w, r))
+    return out
 
 
 def _store_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor | None) -> None:
@@ -132,7 +141,7 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         optimizer saves), the moments as stored (Megatron copies them into its own tensors)."""
         state = self._state(param)
         if key == "master_param" and "master_param" in state and state["master_param"].dtype == torch.int16:
-            return join_master(param.detach(), state["master_param"])
+            return joined_master(param.detach(), state["master_param"])
         return state[key]
 
     @contextmanager
@@ -143,14 +152,15 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         held = [(p, st) for p, st in self.state.items() if st.get("master_param") is not None
                 and st["master_param"].dtype == torch.int16]
         for param, state in held:
-            state["master_param"] = join_master(param.detach(), state["master_param"])
+            state["master_param"] = joined_master(param.detach(), state["master_param"])
         try:
             yield
         finally:
             for param, state in held:
-                master = state["master_param"]
+                master = state.pop("master_param")
                 state["master_param"] = torch.empty(master.shape, dtype=torch.int16, device=master.device)
                 keep_weight_set_master_(param.detach(), state["master_param"], master)
+                del master
 
     def set_scaled_state(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Load state ``key`` from a checkpoint (``get_unscaled_state``'s form). The master's remainder is
