@@ -16,7 +16,9 @@ Then the reference users compare against: one PPO step of our ``Actor`` on SmolL
 plain transformers loop on the same sequences (``AutoModelForCausalLM``, right-padded micro-batches
 under the same token budget, the same ``decoupled_ppo_loss``, backward, gradient clipping,
 ``torch.optim.AdamW``), same compute dtype and threads, repeats interleaved so background load hits
-both alike. Before timing, our logprobs are checked against fp32 transformers on the same tokens
+both alike. Our actor steps with the main job's optimizer (in bf16: Megatron's precision-aware
+distributed optimizer, bf16 gradients and moments, remainders for the fp32 masters, stochastic
+rounding); transformers' AdamW keeps bf16 weights, gradients and moments. Before timing, our logprobs are checked against fp32 transformers on the same tokens
 (in bf16: no further from them than transformers' own bf16 forward, with 1.5x slack); a mismatch
 beyond that exits non-zero without a RESULT. The last line is
 ``RESULT train_vs_hf <ours tokens/s / transformers tokens/s>``.
@@ -114,7 +116,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-sequences", type=int, default=48, help="sequences of the SmolLM2 step (main job: 48)")
-    ap.add_argument("--hf-budget", type=int, default=1024, help="tokens per micro-batch (smollm2_arith.yaml)")
+    ap.add_argument("--hf-budget", type=int, default=768, help="tokens per micro-batch (smollm2_arith.yaml)")
     ap.add_argument("--hf-repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=2)
@@ -297,8 +299,11 @@ def versus_transformers(args, groups, hf, fp32) -> int:
 
     hf_dir = smollm2_path()
     arch = load_arch(hf_dir)
+    # the main job's optimizer (configs/smollm2_arith.yaml): precision-aware, bf16 gradients and moments
+    lean = dict(precision_aware=True, main_grads_dtype="bfloat16", exp_avg_dtype="bfloat16",
+                exp_avg_sq_dtype="bfloat16", bf16_rounding="stochastic") if args.dtype == "bfloat16" else {}
     actor = Actor(arch, ModelConfig(dtype=args.dtype, max_seq_len=256),
-                  ParallelConfig(max_tokens_per_mb=args.hf_budget), OptimizerConfig(lr=1e-5, clip_grad=1.0),
+                  ParallelConfig(max_tokens_per_mb=args.hf_budget), OptimizerConfig(lr=1e-5, clip_grad=1.0, **lean),
                   PPOConfig(eps_clip=0.2, behav_imp_weight_cap=5.0, n_minibatches=1, advantage="grpo"), groups,
                   seed=args.seed, total_steps=100)
     load_hf_weights(actor.model, hf_dir, arch, 0, 1, optimizer=actor.optimizer)
