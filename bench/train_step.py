@@ -18,10 +18,10 @@ under the same token budget, the same ``decoupled_ppo_loss``, backward, gradient
 ``torch.optim.AdamW``), same compute dtype and threads, repeats interleaved so background load hits
 both alike. Our actor steps with the main job's optimizer (in bf16: Megatron's precision-aware
 distributed optimizer, bf16 gradients and moments, remainders for the fp32 masters, stochastic
-rounding); transformers' AdamW keeps bf16 weights, gradients and moments. Before timing, our logprobs are checked against fp32 transformers on the same tokens
-(in bf16: no further from them than transformers' own bf16 forward, with 1.5x slack); a mismatch
-beyond that exits non-zero without a RESULT. The last line is
-``RESULT train_vs_hf <ours tokens/s / transformers tokens/s>``.
+rounding); transformers' AdamW keeps bf16 weights, gradients and moments. Before timing, our
+logprobs are checked against fp32 transformers on the same tokens (in bf16: no further from them
+than transformers' own bf16 forward, with 1.5x slack); a mismatch beyond that exits non-zero
+without a RESULT. The last line is ``RESULT train_vs_hf <ours tokens/s / transformers tokens/s>``.
 
 Token utilisation is real tokens / token slots computed (packed: micro-batches x budget; padded:
 micro-batches x batch x longest). Step times are medians over interleaved repeats.
