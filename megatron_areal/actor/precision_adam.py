@@ -13,9 +13,9 @@ bf16 weight only in the low 16 bits of its bit pattern, so it is stored as the b
 signed remainder: 2 bytes a parameter instead of 4. With ``rounding="nearest"`` the weight is the
 master rounded to nearest; with ``rounding="stochastic"`` it rounds up with probability equal to the
 dropped fraction, so its expected value is the master (actor/bf16_rounding.py says why small steps
-need that). The distance from a stochastically rounded weight to its master takes 17 bits, so the
-master keeps 22 of fp32's 23 mantissa bits (its last bit rounded the same way before the split): a
-relative spacing of 2^-22, thousands of times finer than a step of Adam at lr 1e-5. bf16 moments are
+need that). The distance from a stochastically rounded weight to its master takes 17 bits, so in
+either mode the stored master keeps 22 of fp32's 23 mantissa bits (its last bit rounded the way the
+weight is): a relative spacing of 2^-22, thousands of times finer than a step of Adam at lr 1e-5. bf16 moments are
 rounded as the weights are.
 
 Each update is done in fp32, a chunk of elements at a time, so the only temporaries are a few chunks.
