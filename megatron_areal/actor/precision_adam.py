@@ -43,6 +43,11 @@ def join_master(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return bits.add_(remainder.to(torch.int32), alpha=2).view(torch.float32)
 
 
+def _nearest_even(bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 bit patterns ``bits`` (int32) rounded to an even pattern, to nearest, ties to a multiple of 4."""
+    return (bits + bits.bitwise_right_shift(1).bitwise_and_(1)).bitwise_and_(-2)
+
+
 def split_master_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor,
                   noise: torch.Tensor | None = None) -> None:
     """Write fp32 ``master`` into the bf16 ``weight`` and the int16 ``remainder`` from which ``join_master``
@@ -51,7 +56,7 @@ def split_master_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.T
     (uniform 17-bit integers, int32), stochastic: up with probability equal to the dropped fraction."""
     bits = master.view(torch.int32)
     if noise is None:
-        even = (bits + bits.bitwise_right_shift(1).bitwise_and_(1)).bitwise_and_(-2)
+        even = _nearest_even(bits)
         high = (even + 0x8000).bitwise_and_(_HIGH)
     else:
         even = (bits + noise.bitwise_right_shift(16)).bitwise_and_(-2)
@@ -66,7 +71,7 @@ def keep_weight_set_master_(weight: torch.Tensor, remainder: torch.Tensor, maste
     elsewhere the weight becomes the master rounded to nearest. A chunk at a time."""
     for w, r, m in zip(*(t.view(-1).split(_CHUNK) for t in (weight, remainder, master)), strict=True):
         bits = m.view(torch.int32)
-        even = (bits + bits.bitwise_right_shift(1).bitwise_and_(1)).bitwise_and_(-2)
+        even = _nearest_even(bits)
         low = even.sub_(w.view(torch.int16).to(torch.int32).bitwise_left_shift_(16))
         if bool((low.abs() < 1 << 16).all()):
             r.copy_(low.bitwise_right_shift_(1))
@@ -160,7 +165,6 @@ class PrecisionAwareAdam(torch.optim.AdamW):
                 master = state.pop("master_param")
                 state["master_param"] = torch.empty(master.shape, dtype=torch.int16, device=master.device)
                 keep_weight_set_master_(param.detach(), state["master_param"], master)
-                del master
 
     def set_scaled_state(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Load state ``key`` from a checkpoint (``get_unscaled_state``'s form). The master's remainder is
@@ -201,9 +205,7 @@ class PrecisionAwareAdam(torch.optim.AdamW):
                 grad = getattr(param, "decoupled_grad", None) if self.use_decoupled_grad else param.grad
                 if grad is None:
                     continue
-                if not self.state[param]:
-                    self.initialize_state(param)
-                state = self.state[param]
+                state = self._state(param)
                 state["step"] += 1
                 self._update(param, grad, state, group, float(state["step"]))
         return loss

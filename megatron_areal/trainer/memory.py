@@ -23,16 +23,17 @@ resident, its peak 0.25 GiB above the others (bench/trainer_memory.py, precision
 from __future__ import annotations
 
 import ctypes
+import functools
 
 
 def _release_function():
-    """mimalloc's ``mi_collect(force)`` if it is loaded in this process, else glibc's ``malloc_trim(pad)``."""
+    """mimalloc's ``mi_collect(force=true)`` if it is loaded in this process, else glibc's ``malloc_trim(0)``."""
     try:
-        return ctypes.CDLL(None).mi_collect  # preloaded: its symbols are in the process's global scope
+        return functools.partial(ctypes.CDLL(None).mi_collect, 1)  # preloaded: in the global symbol scope
     except AttributeError:
         pass
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc only
+        return functools.partial(ctypes.CDLL("libc.so.6").malloc_trim, 0)  # glibc only
     except (OSError, AttributeError):
         return None
 
@@ -45,5 +46,5 @@ def release_freed_memory() -> bool:
     Returns False where the allocator is neither glibc's nor mimalloc (nothing is done)."""
     if _RELEASE is None:
         return False
-    _RELEASE(1 if _RELEASE.__name__ == "mi_collect" else 0)  # mi_collect(force=true), malloc_trim(pad=0)
+    _RELEASE()
     return True
