@@ -1,20 +1,23 @@
 """Trainer memory by phase: resident set of one trainer rank with the main job's shapes.
 
-Builds the actor the way ``trainer/policy.py`` does (SmolLM2-135M, ``configs/smollm2_arith.yaml``:
-bf16 weights, Megatron's distributed optimizer, stochastic bf16 rounding, one rank), then runs PPO
-steps on main-job-shaped batches (6 prompts x 8 samples of real arithmetic prompts, outputs of up to
-48 tokens) and saves checkpoints, printing after each phase the current resident set (``VmRSS``),
-the phase's own peak (``VmHWM``, reset before each phase through ``/proc/self/clear_refs``) and the
-process peak (``perf/trainer_peak_rss_gb`` logs ``ru_maxrss``, which that reset clears too, so the
-bench keeps the maximum itself), and the most memory glibc's ``malloc`` had handed out during the
-phase: what a resident peak holds beyond that (less the libraries' ~0.35 GiB) is freed memory the C
-heap kept. Measured at c37df5c, 3 steps: a resident peak of 4.35 GiB where ``malloc`` never had more
+Builds the actor the way ``trainer/policy.py`` does (SmolLM2-135M, ``configs/smollm2_arith.yaml``: bf16
+weights, Megatron's distributed optimizer, stochastic bf16 rounding, one rank), then runs PPO steps on
+main-job-shaped batches (6 prompts x 8 samples of real arithmetic prompts, outputs of up to 48 tokens),
+saves checkpoints and loads the last one back (as a resumed run does), printing after each phase the
+current resident set (``VmRSS``), the phase's own peak (``VmHWM``, reset before each phase through
+``/proc/self/clear_refs``) and the process peak (``perf/trainer_peak_rss_gb`` logs ``ru_maxrss``, which
+that reset clears too, so the bench keeps the maximum itself), and the most memory glibc's ``malloc``
+had handed out during the phase: what a resident peak holds beyond that (less the libraries' ~0.35 GiB)
+is freed memory the C heap kept.
+Measured at c37df5c, 3 steps: a resident peak of 4.35 GiB where ``malloc`` never had more
 than 3.26 GiB out, so about 0.7 GiB of the peak was freed heap; with mimalloc preloaded instead of
 glibc's allocator the peak was 3.75 GiB. So, like the launcher (``cluster.cpu_allocator``,
 launch/allocator.py), the bench preloads mimalloc where it is installed (``--allocator glibc``: not).
 With the main job's precision-aware optimizer (bf16 gradients and moments, masters as remainders) and
 768-token micro-batches, at 2905101 (fresh clone, quiet, 4 steps and a save): step peaks 2.45-2.51 GiB,
-the save 2.57 GiB, 1.85 GiB between steps.
+the save 2.57 GiB, 1.85 GiB between steps. Loading the checkpoint back peaked at 4.87 GiB while Megatron read
+the optimizer state into new fp32 whole-model tensors (and the optimizer reallocated its own); loading
+into the optimizer's own tensors instead (convert/checkpoint.py), 2.71 GiB.
 After each step and save the bench releases freed heap memory as the trainer does (trainer/memory.py)
 unless ``--glibc-defaults``. No rollout servers: the weight push is not measured,
 nor rank 0's rollout controller and reward pool.
@@ -227,6 +230,10 @@ def main() -> None:
             ckpt.save(args.steps + k, actor.model, actor.optimizer, actor.scheduler, extra={"version": 1})
             release()
             phase(f"checkpoint save {k + 1}")
+        if args.saves:  # a resumed run loads into the optimizer it has just built; here, the one it has
+            ckpt.load(ckpt.latest(), actor.model, actor.optimizer, actor.scheduler)
+            release()
+            phase("checkpoint load")
     if args.saves:
         batch = main_job_batch(tokenizer, train_prompts, 99, cfg.rollout.batch_size, cfg.rollout.group_size,
                                cfg.rollout.max_new_tokens)

@@ -164,6 +164,31 @@ def case_precision_aware(rounding: str, tmp: str) -> dict:
     out["grad_dtype"] = lean.model[0].buffers[0].grad_data.dtype
     ckpt = Checkpointer(tmp, ARCHS["llama"], groups, keep=1)
     ckpt.save(1, lean.model, lean.optimizer, lean.scheduler)
+
+    def state_tensors(a) -> list[torch.Tensor]:
+        return [t for o in subs(a) for st in o.optimizer.state.values() for k, t in st.items() if k != "step"]
+
+    # at DP 1 a load reads into the optimizer's own tensors: no whole-model fp32 copies, no reallocation
+    other = actor(True, seed=5)
+    other.ppo_update(_trajectories(), 0.7)
+
+    def moments(a) -> list[int]:  # (the remainders are given up while a save or load holds fp32 masters)
+        return [st[k].data_ptr() for o in subs(a) for st in o.optimizer.state.values()
+                for k in ("exp_avg", "exp_avg_sq")]
+
+    where = moments(other)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    gathers = []
+    gather = DistributedOptimizer.get_parameter_state_dp_zero
+    DistributedOptimizer.get_parameter_state_dp_zero = lambda *a, **kw: gathers.append(1) or gather(*a, **kw)
+    try:
+        ckpt.load(ckpt.latest(), other.model, other.optimizer, other.scheduler)
+    finally:
+        DistributedOptimizer.get_parameter_state_dp_zero = gather
+    out["whole_model_gathers"] = len(gathers)
+    out["same_storage"] = where == moments(other)
+    out["loaded_state_equal"] = all(torch.equal(x, y) for x, y in
+                                    zip(state_tensors(lean), state_tensors(other), strict=True))
     resumed = actor(True, seed=9)
     ckpt.load(ckpt.latest(), resumed.model, resumed.optimizer, resumed.scheduler)
     for a in (lean, resumed):
@@ -187,6 +212,7 @@ def test_in_megatrons_distributed_optimizer(tmp_path):
             assert not ln.any()
             continue
         assert float(torch.nn.functional.cosine_similarity(d, ln, dim=0)) > 0.99
+    assert out["whole_model_gathers"] == 0 and out["same_storage"] and out["loaded_state_equal"]
     assert out["resumed_equal"]
 
 

@@ -242,3 +242,23 @@ def test_keeper_restarts_with_backoff_then_gives_up(tmp_path: Path) -> None:
         assert keeper.servers["server-1"] is lives and lives.returncode() is None
     finally:
         procs.stop_all()
+
+
+def test_stopped_embedded_server_leaves_no_folder_but_a_dead_one_keeps_its_log(tmp_path: Path) -> None:
+    from megatron_areal.assets import make_tiny_model
+    from megatron_areal.launch.embedded import start_embedded
+
+    model = make_tiny_model(tmp_path / "model", "llama", seed=3)
+    with start_embedded(model) as server:
+        assert server.temp_dir is not None and server.log_path.is_file()
+    assert not server.temp_dir.exists()
+
+    dead = start_embedded(model)
+    try:
+        dead.proc.kill()
+        dead.proc.wait(timeout=30)
+    finally:
+        dead.stop()
+    assert dead.log_path.is_file()  # kept: it says why the server died
+    dead.log_path.unlink()
+    dead.temp_dir.rmdir()

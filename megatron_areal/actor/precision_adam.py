@@ -168,15 +168,16 @@ class PrecisionAwareAdam(torch.optim.AdamW):
 
     def set_scaled_state(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Load state ``key`` from a checkpoint (``get_unscaled_state``'s form). The master's remainder is
-        taken against the weight as loaded, so a stochastically rounded weight stays as it was saved."""
+        taken against the weight as loaded, so a stochastically rounded weight stays as it was saved (inside
+        ``fp32_masters`` the fp32 master is set, and the remainder follows on leaving)."""
         state = self._state(param)
         value = value.reshape(param.shape)
-        if key == "master_param" and "master_param" in state:
+        if key == "master_param" and "master_param" in state and state["master_param"].dtype == torch.int16:
             keep_weight_set_master_(param.detach(), state["master_param"], value.float())
-        elif key == "master_param":
-            param.detach().copy_(value)  # fp32 weights are their own master
+        elif key == "master_param" and "master_param" not in state:
+            _store_(param.detach(), value, None)  # fp32 weights are their own master
         else:
-            state[key].copy_(value)
+            _store_(state[key], value, None)
 
     def _state(self, param: torch.Tensor) -> dict:
         if not self.state[param]:
@@ -184,10 +185,13 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         return self.state[param]
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As ``state_dict`` gave it; torch's own would cast every state tensor to its parameter's dtype (bf16),
-        the remainders included. (Megatron's distributed optimizer loads through here with placeholders,
-        then sets the real values with ``set_scaled_state``.)"""
+        """As ``state_dict`` gave it, into the state tensors already there; torch's own would cast every state
+        tensor to its parameter's dtype (bf16), the remainders included, and allocate them all anew.
+        (Megatron's distributed optimizer loads through here with its current state or placeholders, then
+        sets the real values with ``set_scaled_state``.)"""
+        kept = dict(self.state)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self.state.update(kept)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
             state = self._state(params[index])
@@ -195,7 +199,7 @@ class PrecisionAwareAdam(torch.optim.AdamW):
                 if key == "step":
                     state["step"] = torch.as_tensor(value, dtype=torch.float32).clone()
                 else:
-                    state[key].copy_(value.reshape(state[key].shape))
+                    _store_(state[key], value.reshape(state[key].shape), None)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -143,10 +143,12 @@ def _param_state_as_views(opt: Any, model_sharded_state_dict: Any, is_loading: b
                           metadata: dict | None = None) -> dict[int, dict[str, Any]]:
     """Megatron's ``fully_reshardable`` parameter state of a distributed optimizer at DP size 1, without copies.
 
-    Megatron builds that format by gathering every rank's fp32 master weights and Adam moments into
-    new whole-model tensors (three copies, then the pieces, then their concatenation: about 4 GiB
-    transient for a 135M model). At DP size 1 the rank holds each parameter's whole state already, so
-    the same sharded tensors (keys, shapes, replica ids) are views of the optimizer's own tensors.
+    To save that format Megatron gathers every rank's fp32 master weights and Adam moments into new
+    whole-model tensors (three copies, then the pieces, then their concatenation: about 4 GiB transient
+    for a 135M model); to load it, it allocates the same fp32 whole-model tensors to read into (about 1.5
+    GiB) and then copies them into the optimizer. At DP size 1 the rank holds each parameter's whole
+    state already, so the same sharded tensors (keys, shapes, replica ids) are views of the optimizer's
+    own tensors: a save reads from them and a load writes into them.
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
@@ -174,13 +176,12 @@ def _param_state_as_views(opt: Any, model_sharded_state_dict: Any, is_loading: b
 
 
 @contextmanager
-def _save_state_as_views(optimizer: Any, is_loading: bool) -> Iterator[None]:
-    """While saving, distributed optimizers at DP size 1 describe their state with ``_param_state_as_views``."""
+def _state_as_views(optimizer: Any) -> Iterator[None]:
+    """Distributed optimizers at DP size 1 describe their state with ``_param_state_as_views`` meanwhile."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    patched = [] if is_loading else [
-        sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
-        if isinstance(sub, DistributedOptimizer) and sub.data_parallel_group.size() == 1]
+    patched = [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+               if isinstance(sub, DistributedOptimizer) and sub.data_parallel_group.size() == 1]
     for sub in patched:
         sub.sharded_param_state_fully_reshardable = functools.partial(_param_state_as_views, sub)
     try:
@@ -192,8 +193,9 @@ def _save_state_as_views(optimizer: Any, is_loading: bool) -> Iterator[None]:
 
 @contextmanager
 def _fp32_masters(optimizer: Any) -> Iterator[None]:
-    """While saving, precision-aware optimizers (actor/precision_adam.py) hold their masters in fp32, the form
-    a checkpoint stores, instead of as remainders beside them."""
+    """While saving or loading, precision-aware optimizers (actor/precision_adam.py) hold their masters in fp32,
+    the form a checkpoint stores, instead of as remainders beside them; after a load the remainders are taken
+    against the weights as loaded."""
     with ExitStack() as stack:
         for sub in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []:
             if hasattr(getattr(sub, "optimizer", None), "fp32_masters"):
@@ -238,7 +240,7 @@ class Checkpointer:
         state: dict[str, Any] = {"model": model_sd}
         if optimizer is not None:
             _ensure_optimizer_state(optimizer)
-            with _save_state_as_views(optimizer, is_loading):
+            with _state_as_views(optimizer):
                 state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                   metadata=_OPTIMIZER_META)
         if scheduler is not None:
@@ -308,12 +310,13 @@ class Checkpointer:
         same_layout = self._same_layout(path)
         if not same_layout:
             log.info("%s was saved at another layout; RNG states are not restored", path)
-        request = self._state(model, optimizer, scheduler, is_loading=True, with_rng=same_layout)
-        request.pop("scheduler", None)  # common state: comes back whole
-        loaded = dist_checkpointing.load(request, str(path))
-        dist_ckpt.load_model_state([unwrap(c) for c in model], loaded["model"])
-        if optimizer is not None:
-            _load_optimizer(optimizer, loaded["optimizer"])
+        with _fp32_masters(optimizer):
+            request = self._state(model, optimizer, scheduler, is_loading=True, with_rng=same_layout)
+            request.pop("scheduler", None)  # common state: comes back whole
+            loaded = dist_checkpointing.load(request, str(path))
+            dist_ckpt.load_model_state([unwrap(c) for c in model], loaded["model"])
+            if optimizer is not None:
+                _load_optimizer(optimizer, loaded["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(loaded["scheduler"])
         if same_layout:

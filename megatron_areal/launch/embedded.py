@@ -4,6 +4,7 @@ A run's servers are started by the launcher instead (``launch/local.py``, ``laun
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,15 +17,23 @@ from megatron_areal.netutil import free_port
 
 @dataclass
 class LocalServer:
-    """A running embedded server: its process, URL and log; a context manager that stops it."""
+    """A running embedded server: its process, URL and log; a context manager that stops it.
+
+    ``temp_dir`` is the folder made for the log when the caller named none: it goes when the server is
+    stopped, and stays (with the log) when the server had died on its own.
+    """
 
     proc: subprocess.Popen
     url: str
     log_path: Path
+    temp_dir: Path | None = None
 
     def stop(self) -> None:
         """Stop the server process (SIGTERM, then SIGKILL) and reap it."""
+        died_on_its_own = self.proc.poll() is not None
         stop_server(self.proc)
+        if self.temp_dir is not None and not died_on_its_own:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalServer:
         return self
@@ -38,10 +47,12 @@ def start_embedded(model: str | Path, *, args: list[str] | None = None, host: st
                    threads: int = 1) -> LocalServer:
     """``megatron-areal serve --model MODEL ARGS`` on a free port; returns once healthy."""
     port = port or free_port(host)
+    temp_dir = None
     if log_path is None:
-        log_path = Path(tempfile.mkdtemp(prefix="embedded-server-")) / "server.log"
+        temp_dir = Path(tempfile.mkdtemp(prefix="embedded-server-"))
+        log_path = temp_dir / "server.log"
     cmd = [sys.executable, "-m", "megatron_areal.server.cli", "--model", str(model), "--host", host,
            "--port", str(port), *(args or [])]
     url = f"http://{host}:{port}"
     proc = start_server(cmd, url, log_path, timeout_s=timeout_s, env={"OMP_NUM_THREADS": str(threads)})
-    return LocalServer(proc=proc, url=url, log_path=Path(log_path))
+    return LocalServer(proc=proc, url=url, log_path=Path(log_path), temp_dir=temp_dir)
