@@ -196,6 +196,8 @@ def _fp32_masters(optimizer: Any) -> Iterator[None]:
     """While saving or loading, precision-aware optimizers (actor/precision_adam.py) hold their masters in fp32,
     the form a checkpoint stores, instead of as remainders beside them; after a load the remainders are taken
     against the weights as loaded."""
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)  # a never-stepped optimizer (a run resuming) has masters to hold too
     with ExitStack() as stack:
         for sub in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []:
             if hasattr(getattr(sub, "optimizer", None), "fp32_masters"):
