@@ -24,6 +24,7 @@ and fp32 moments its master follows torch's fp32 ``AdamW`` to within that last b
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -98,10 +99,11 @@ def _store_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor | None) ->
 
 def _noise(n: int, generator: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Uniform integers of 17, 16 and 16 bits (int32) for ``n`` elements, cut from one 63-bit draw each
-    (one int64 draw costs about what one bounded 16-bit draw does)."""
-    bits = torch.empty(n, dtype=torch.int64, device=device).random_(generator=generator)
-    return ((bits & 0x1FFFF).to(torch.int32), (bits >> 17 & _LOW).to(torch.int32),
-            (bits >> 33 & _LOW).to(torch.int32))
+    (one int64 draw costs about what one bounded 16-bit draw does): the 17 from its high 31 bits, the two
+    16s from its low 32, each cut in int32 from the draw's own memory (a quarter less time than in int64)."""
+    bits = torch.empty(n, dtype=torch.int64, device=device).random_(generator=generator).view(torch.int32)
+    low, high = (bits[0::2], bits[1::2]) if sys.byteorder == "little" else (bits[1::2], bits[0::2])
+    return high & 0x1FFFF, low & _LOW, low.bitwise_right_shift(16).bitwise_and_(_LOW)
 
 
 class PrecisionAwareAdam(torch.optim.AdamW):
