@@ -194,6 +194,18 @@ def case_precision_aware(rounding: str, tmp: str) -> dict:
     out["kept_them"] = all(ptr in storages(other) for _, ptr, dtype in requested if dtype == torch.bfloat16)
     out["loaded_state_equal"] = all(torch.equal(x, y) for x, y in
                                     zip(state_tensors(lean), state_tensors(other), strict=True))
+    # the reference: Megatron's own load of the same checkpoint (its fp32 whole-model tensors, then copies)
+    from contextlib import nullcontext
+
+    from megatron_areal.convert import checkpoint as checkpoint_module
+    upstream, as_views = actor(True, seed=7), checkpoint_module._state_as_views
+    checkpoint_module._state_as_views = lambda optimizer: nullcontext()
+    try:
+        ckpt.load(ckpt.latest(), upstream.model, upstream.optimizer, upstream.scheduler)
+    finally:
+        checkpoint_module._state_as_views = as_views
+    out["equals_megatrons_load"] = all(torch.equal(x, y) for x, y in zip(
+        state_tensors(upstream) + weights(upstream), state_tensors(other) + weights(other), strict=True))
     resumed = actor(True, seed=9)
     ckpt.load(ckpt.latest(), resumed.model, resumed.optimizer, resumed.scheduler)
     for a in (lean, resumed):
@@ -218,6 +230,7 @@ def test_in_megatrons_distributed_optimizer(tmp_path):
             continue
         assert float(torch.nn.functional.cosine_similarity(d, ln, dim=0)) > 0.99
     assert out["loaded_into_own_tensors"] and out["kept_them"] and out["loaded_state_equal"]
+    assert out["equals_megatrons_load"]
     assert out["resumed_equal"]
 
 

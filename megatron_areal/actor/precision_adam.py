@@ -174,12 +174,14 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         ``fp32_masters`` the fp32 master is set, and the remainder follows on leaving)."""
         state = self._state(param)
         value = value.reshape(param.shape)
-        if key == "master_param" and "master_param" in state and state["master_param"].dtype == torch.int16:
-            keep_weight_set_master_(param.detach(), state["master_param"], value.float())
-        elif key == "master_param" and "master_param" not in state:
-            _store_(param.detach(), value, None)  # fp32 weights are their own master
-        else:
+        if key != "master_param":
             _store_(state[key], value, None)
+        elif "master_param" not in state:  # fp32 weights are their own master
+            _store_(param.detach(), value, None)
+        elif state["master_param"].dtype == torch.int16:
+            keep_weight_set_master_(param.detach(), state["master_param"], value.float())
+        else:  # held in fp32 (``fp32_masters``)
+            _store_(state["master_param"], value, None)
 
     def _state(self, param: torch.Tensor) -> dict:
         if not self.state[param]:

@@ -196,8 +196,8 @@ def _fp32_masters(optimizer: Any) -> Iterator[None]:
     """While saving or loading, precision-aware optimizers (actor/precision_adam.py) hold their masters in fp32,
     the form a checkpoint stores, instead of as remainders beside them; after a load the remainders are taken
     against the weights as loaded."""
-    if optimizer is not None:
-        _ensure_optimizer_state(optimizer)  # a never-stepped optimizer (a run resuming) has masters to hold too
+    if optimizer is not None:  # every save and load runs inside: the one place a never-stepped optimizer
+        _ensure_optimizer_state(optimizer)  # (a run resuming) gets the state its requests and masters need
     with ExitStack() as stack:
         for sub in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []:
             if hasattr(getattr(sub, "optimizer", None), "fp32_masters"):
@@ -240,8 +240,7 @@ class Checkpointer:
         chunks = [unwrap(c) for c in model]
         model_sd = dist_ckpt.model_sharded_state_dict(chunks)
         state: dict[str, Any] = {"model": model_sd}
-        if optimizer is not None:
-            _ensure_optimizer_state(optimizer)
+        if optimizer is not None:  # its state exists: ``_fp32_masters`` made it
             with _state_as_views(optimizer):
                 state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                   metadata=_OPTIMIZER_META)
