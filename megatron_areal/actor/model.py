@@ -55,6 +55,7 @@ from megatron_areal.actor import packed_rope
 from megatron_areal.actor.attention import PackedCoreAttention
 from megatron_areal.actor.moe_compat import ensure_router_gemm_fallback
 from megatron_areal.actor.swiglu import SwiGLU
+from megatron_areal.compute_dtype import runnable_dtype
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
 from megatron_areal.model.rope import rope_inv_freq
@@ -63,21 +64,6 @@ from megatron_areal.model.weights import expert_offset
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16).
-
-    Without them (AVX2-only CPUs) torch runs bf16 matmuls through slow reference kernels: measured
-    on a 2-core AVX2 EPYC, a SmolLM2 output-layer backward matmul ([1024, 49152] x [49152, 576]) took
-    111 s in bf16 against 0.6 s in fp32, the forward 3.5 s against 1.1 s.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -89,12 +75,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = DTYPES[name]
-    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
-        log.warning("model.dtype=bfloat16: this CPU has no native bf16 matmul (AVX512-BF16/AMX), where "
-                    "bf16 training runs many times slower than fp32; training in float32 instead")
-        return torch.float32
-    return dtype
+    return runnable_dtype(DTYPES[name], device, "model.dtype")
 
 
 def te_import_error() -> str | None:

@@ -53,7 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="while paused, /health waits this long for generation to resume, then answers 503")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu | cuda | cuda:N")
-    p.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (CUDA default; on a CPU without native "
+                   "bf16 matmuls, AVX512-BF16 or AMX, it runs in float32) | float16")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="serve input_ids only")
     p.add_argument("--register-dir", default=None, help="write DIR/<server-id> (url, pid, model) once healthy")
     p.add_argument("--server-id", default=None, help="name of the registration file (default: host-port)")

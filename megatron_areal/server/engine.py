@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from megatron_areal.compute_dtype import runnable_dtype
 from megatron_areal.model.arch import ModelArch, load_arch
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.attention import ForwardBatch
@@ -61,7 +62,7 @@ class Engine:
         self.device = torch.device(opts.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = parse_dtype(opts.dtype) if opts.dtype else (
+        self.dtype = runnable_dtype(parse_dtype(opts.dtype), self.device, "dtype") if opts.dtype else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.max_len = opts.context_length_for(self.arch.max_position_embeddings)
         self.model = CausalLM(self.arch).to(dtype=self.dtype)
