@@ -43,20 +43,23 @@ TEMPERATURE = 0.7
 
 
 def _trajectories() -> list[Any]:
+    """Two groups whose samples share their prompt (laid out once: parallel.share_prompts) and two
+    samples of their own."""
     from megatron_areal.rollout.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(0)
+    lengths = {0: 10, 1: 12, 2: 2, 3: 8}
+    prompts = {group: torch.randint(0, 500, (p,), generator=g).tolist() for group, p in lengths.items()}
     out = []
-    for i, (p, o) in enumerate([(5, 9), (3, 20), (7, 4), (4, 13), (6, 6), (2, 27), (8, 3), (5, 11)]):
+    for i, (group, o) in enumerate([(0, 9), (0, 20), (0, 4), (1, 13), (1, 6), (2, 27), (3, 3), (1, 11)]):
         out.append(Trajectory(
-            prompt_ids=torch.randint(0, 500, (p,), generator=g).tolist(),
-            output_ids=torch.randint(0, 500, (o,), generator=g).tolist(),
+            prompt_ids=prompts[group], output_ids=torch.randint(0, 500, (o,), generator=g).tolist(),
             output_logprobs=(-6.2 + 0.3 * torch.randn(o, generator=g)).tolist(),
-            group_id=i // 4, reward=float(i % 3 == 0)))
+            group_id=group, reward=float(i % 3 == 0)))
     return out
 
 
-def _actor(arch_name: str, tp: int, pp: int, sp: bool, budget: int = 48, kl_coef: float = 0.0):
+def _actor(arch_name: str, tp: int, pp: int, sp: bool, budget: int = 48, kl_coef: float = 0.0, share: bool = True):
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel
@@ -64,24 +67,25 @@ def _actor(arch_name: str, tp: int, pp: int, sp: bool, budget: int = 48, kl_coef
 
     groups = init_parallel(tp, pp, seed=3, backend="gloo")
     return Actor(ARCHS[arch_name], ModelConfig(max_seq_len=40, dtype="float32"),
-                 ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, max_tokens_per_mb=budget),
+                 ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, max_tokens_per_mb=budget, share_prompts=share),
                  OptimizerConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0, distributed=True),
                  PPOConfig(n_minibatches=2, behav_imp_weight_cap=5.0, kl_coef=kl_coef), groups, seed=3, total_steps=4)
 
 
-def case_layout(arch_name: str, tp: int, pp: int, sp: bool) -> dict[str, Any]:
+def case_layout(arch_name: str, tp: int, pp: int, sp: bool, share: bool = True) -> dict[str, Any]:
     """Logprobs before, PPO stats, logprobs after, on this rank."""
     from megatron_areal.actor.parallel import teardown_parallel
 
     trajs = _trajectories()
-    actor = _actor(arch_name, tp, pp, sp)
+    actor = _actor(arch_name, tp, pp, sp, share=share)
     seqs = [t.input_ids for t in trajs]
+    packed = sum(mb.n_real_tokens for mb in actor._plan(seqs, 1))
     before, entropy = actor.compute_logprobs(seqs, TEMPERATURE, with_entropy=True)
     stats = actor.ppo_update(trajs, TEMPERATURE)
     after = actor.compute_logprobs(seqs, TEMPERATURE)
     teardown_parallel()
     return {"before": [x.tolist() for x in before], "entropy": [x.tolist() for x in entropy],
-            "after": [x.tolist() for x in after], "stats": stats}
+            "after": [x.tolist() for x in after], "stats": stats, "packed": packed}
 
 
 def case_reference(arch_name: str) -> dict[str, Any]:
@@ -216,6 +220,9 @@ def groups():
     ref = {"qwen3": one.collect()[0]}
     one.submit(case_reference, arch_name="llama")
     ref["llama"] = one.collect()[0]
+    for arch in ARCHS:
+        one.submit(case_layout, arch_name=arch, tp=1, pp=1, sp=False, share=False)
+        ref[f"{arch}_unshared"] = one.collect()[0]
     one.submit(case_bad_inputs)
     ref["errors"] = one.collect()[0]
     one.submit(case_kl)
@@ -239,6 +246,22 @@ def test_packed_equals_unpacked_and_full_vocab(groups):
         _close(r["before"], r["full_vocab"], 1e-5)  # temperature path == log_softmax(logits / T)
         _close(r["entropy"], r["full_entropy"], 1e-4)
         assert r["stats"]["tokens"] == sum(len(t.output_ids) for t in _trajectories())
+
+
+def test_shared_prompts_equal_each_sample_packed_whole(groups):
+    """A group's prompt laid out once gives the logprobs, entropy, PPO step and updated policy of
+    every sample packed with its own copy."""
+    _, ref = groups
+    for arch in ARCHS:
+        shared, whole = ref[arch], ref[f"{arch}_unshared"]
+        _close(shared["before"], whole["before"], 1e-5)
+        _close(shared["entropy"], whole["entropy"], 1e-4)
+        _close(shared["after"], whole["after"], 2e-5)
+        for key in ("loss", "grad_norm", "clip_fraction", "importance_weight_mean", "tokens"):
+            assert shared["stats"][key] == pytest.approx(whole["stats"][key], rel=1e-4, abs=1e-6), (arch, key)
+        # groups 0 and 1 (3 samples each) lay out 9 and 11 prompt tokens once, not 3 times (each
+        # branch repeats the prompt's last token, which predicts its first)
+        assert whole["packed"] - shared["packed"] == 2 * 9 + 2 * 11, (shared["packed"], whole["packed"])
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_areal.actor.attention import PackedCoreAttention
 from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_areal.actor.engine import run_microbatches
 from megatron_areal.actor.microbatch import PackedMicroBatch, pack
@@ -39,10 +40,11 @@ from megatron_areal.actor.ppo_batch import (
     token_advantages,
 )
 from megatron_areal.actor.routing_replay import RouteHook, decode_routes, pack_routes
+from megatron_areal.actor.shared_prefix import Unit, fit_to_budget, prefix_units
 from megatron_areal.algorithm import decoupled_ppo_loss, kl_penalty
 from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.algorithm.offpolicy import rollout_mismatch_metrics
-from megatron_areal.data.packing import allocate_microbatches, kk_partition
+from megatron_areal.data.packing import allocate_microbatches, check_lengths, kk_partition
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.rollout.trajectory import Trajectory
 
@@ -78,6 +80,8 @@ class Actor:
                              recompute=model_cfg.recompute_activations)
         state = build_train_state(chunks, optimizer_cfg, groups, total_steps * ppo_cfg.n_minibatches)
         self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
+        # shared prompt tokens need the local spec's attention (parallel.share_prompts)
+        self._packed_attention = any(isinstance(m, PackedCoreAttention) for c in chunks for m in c.modules())
         self._reference: list[torch.Tensor] | None = None
 
     @staticmethod
@@ -94,14 +98,21 @@ class Actor:
         for i, n in enumerate(lengths):
             if n < 2:
                 raise ValueError(f"sequence {i} has {n} token(s); a logprob needs at least 2")
-        plan = allocate_microbatches(lengths, self.parallel_cfg.max_tokens_per_mb, self.groups.dp,
-                                     min_microbatches, self.parallel_cfg.packing, self.model_cfg.max_seq_len)
+        budget = self.parallel_cfg.max_tokens_per_mb
+        check_lengths(lengths, budget, self.model_cfg.max_seq_len)
+        ids = range(len(sequences))
+        if self.parallel_cfg.share_prompts and routes is None and self._packed_attention:
+            units = fit_to_budget(prefix_units(sequences, ids, values and values.get("loss_mask")), lengths, budget)
+        else:  # MoE routes are placed per sequence (routing_replay.pack_routes)
+            units = [Unit((i,)) for i in ids]
+        plan = allocate_microbatches([u.n_tokens(lengths) for u in units], budget, self.groups.dp,
+                                     min_microbatches, self.parallel_cfg.packing)
         multiple = math.lcm(self.parallel_cfg.mb_token_multiple,
                             self.groups.tp if self.parallel_cfg.sequence_parallel else 1)
-        batches = [pack(sequences, ids, multiple, values) for ids in plan[self.groups.dp_rank]]
+        batches = [pack(sequences, [units[k] for k in ks], multiple, values) for ks in plan[self.groups.dp_rank]]
         if routes is not None:
             for mb in batches:
-                mb.routes = pack_routes(routes, mb.seq_ids, mb.offsets, mb.n_tokens, self.arch.num_layers,
+                mb.routes = pack_routes(routes, mb.seq_ids, mb.value_index, mb.n_tokens, self.arch.num_layers,
                                         self.arch.num_experts_per_tok)
         return batches
 
@@ -301,8 +312,8 @@ class Actor:
             seq_ids = None
             if cfg.seq_imp_weight_low is not None or cfg.seq_imp_weight_high is not None:
                 seq_ids = torch.full_like(mb.targets, -1)
-                for k, (o, n) in enumerate(zip(mb.offsets, mb.lengths)):
-                    seq_ids[o:o + n - 1] = k
+                for k, idx in enumerate(mb.value_index):
+                    seq_ids[idx] = k
             loss, st = decoupled_ppo_loss(lp, proximal, v["behaviour"], v["advantages"], mask,
                                           eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
                                           behav_imp_weight_cap=cfg.behav_imp_weight_cap,

@@ -6,15 +6,18 @@ arguments and supports both layouts:
 - ``sbhd`` (ordinary batches): causal attention over each row; right padding is harmless because
   a causal mask never lets a real token see a later pad token.
 - ``thd`` (packed): each sequence of the 1-D micro-batch (bounded by ``cu_seqlens_q``) attends
-  causally to itself only. Sequences of similar length are gathered into right-padded buckets
-  ``[n, heads, width, dim]`` and each bucket is one attention call: a call per sequence cost
-  more in fixed overhead than in arithmetic (RL sequences are short; 48 x 30 calls a step took
-  a fifth of a SmolLM2 step on CPU), while one block-diagonal mask over the pack would cost
-  T^2. A bucket grows while its padded area stays within ``_PAD_SLACK`` x the sum of its
-  sequences' L^2, so the cost stays near sum(L_i^2) for long-tailed lengths too.
+  causally to itself only, or, where it continues a segment of shared prompt tokens
+  (``SharedPrefixParams.continues``, actor/shared_prefix.py), to those tokens and then itself.
+  Sequences of similar length are gathered into right-padded buckets ``[n, heads, width, dim]``
+  (a continuing sequence's row holds the shared tokens first) and each bucket is one attention
+  call: a call per sequence cost more in fixed overhead than in arithmetic (RL sequences are
+  short; 48 x 30 calls a step took a fifth of a SmolLM2 step on CPU), while one block-diagonal
+  mask over the pack would cost T^2. A bucket grows while its padded area stays within
+  ``_PAD_SLACK`` x the sum of its rows' L^2, so the cost stays near sum(L_i^2) for long-tailed
+  lengths too.
 
-Rotary positions restart at 0 per sequence: Megatron's ``apply_rotary_pos_emb`` already does this
-for ``thd`` given ``cu_seqlens``, and ``GPTModel`` passes ``max_seqlen_q`` as the table length.
+Rotary positions restart at 0 per sequence and a branch's continue from its shared tokens; they
+are applied before this module (actor/packed_rope.py), with ``max_seqlen_q`` as the table length.
 Shapes: q ``[s, b, np, hn]`` / ``[t, np, hn]``; k, v with ``ng`` query groups (GQA).
 """
 from __future__ import annotations
@@ -33,33 +36,40 @@ _PAD_SLACK = 2.0  # a bucket's width^2 x rows may be at most this times the sum 
 
 
 @functools.lru_cache(maxsize=16)
-def padded_buckets(lengths: tuple[int, ...]) -> tuple[list[tuple[torch.Tensor, torch.Tensor, int, int]],
-                                                       torch.Tensor]:
-    """Buckets of right-padded rows for the packed sequences of ``lengths`` (in pack order).
+def padded_buckets(lengths: tuple[int, ...], continues: tuple[int, ...] = ()
+                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, int, int]], torch.Tensor]:
+    """Buckets of right-padded rows for the packed segments of ``lengths`` (in pack order).
 
-    Returns ``(buckets, order)``: each bucket is ``(gather, keep, rows, width)`` where ``gather``
-    [rows * width] indexes the pack (a padding slot repeats its row's last token: causal attention
-    never lets a real token see it, and its output is dropped) and ``keep`` picks the real tokens
-    out of the flattened padded rows; ``order`` puts the buckets' concatenated real tokens back in
-    pack order. Cached: every layer of a micro-batch asks for the same lengths.
+    Each segment is one row: its own tokens, after those of the segment it continues
+    (``continues[k] >= 0``: a branch after its shared tokens, actor/shared_prefix.py), so causal
+    attention over the row lets it see both. Returns ``(buckets, order)``: each bucket is
+    ``(gather, keep, rows, width)`` where ``gather`` [rows * width] indexes the pack (a padding
+    slot repeats its row's last token: causal attention never lets a real token see it, and its
+    output is dropped) and ``keep`` picks each row's own tokens out of the flattened padded rows;
+    ``order`` puts the buckets' concatenated outputs back in pack order. Cached: every layer of a
+    micro-batch asks for the same segments.
     """
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
-    by_length = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
+    before = [lengths[c] if c >= 0 else 0 for c in continues] + [0] * (len(lengths) - len(continues))
+    width_of = [before[i] + lengths[i] for i in range(len(lengths))]
+    by_width = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -width_of[i])
     groups: list[list[int]] = []
-    for i in by_length:  # longest first, so a bucket's first row sets its width
+    for i in by_width:  # widest first, so a bucket's first row sets its width
         g = groups[-1] if groups else None
-        if g and (len(g) + 1) * lengths[g[0]] ** 2 <= _PAD_SLACK * sum(lengths[j] ** 2 for j in g + [i]):
+        if g and (len(g) + 1) * width_of[g[0]] ** 2 <= _PAD_SLACK * sum(width_of[j] ** 2 for j in g + [i]):
             g.append(i)
         else:
             groups.append([i])
     buckets, position, offset = [], [0] * starts[-1], 0
     for g in groups:
-        width = lengths[g[0]]
-        gather = [starts[i] + min(j, lengths[i] - 1) for i in g for j in range(width)]
-        keep = [r * width + j for r, i in enumerate(g) for j in range(lengths[i])]
-        for i in g:
+        width = width_of[g[0]]
+        gather, keep = [], []
+        for r, i in enumerate(g):
+            row = [starts[continues[i]] + j for j in range(before[i])] + list(range(starts[i], starts[i + 1]))
+            gather += row + [row[-1]] * (width - len(row))
+            keep += [r * width + before[i] + j for j in range(lengths[i])]
             position[starts[i]:starts[i + 1]] = range(offset, offset + lengths[i])
             offset += lengths[i]
         buckets.append((torch.tensor(gather), torch.tensor(keep), len(g), width))
@@ -101,7 +111,8 @@ class PackedCoreAttention(MegatronModule):
         if cu[-1] != query.size(0):
             raise ValueError(f"PackedCoreAttention: cu_seqlens ends at {cu[-1]} but the pack has "
                              f"{query.size(0)} tokens")
-        buckets, order = padded_buckets(tuple(end - start for start, end in zip(cu[:-1], cu[1:])))
+        buckets, order = padded_buckets(tuple(end - start for start, end in zip(cu[:-1], cu[1:])),
+                                        tuple(getattr(packed_seq_params, "continues", ())))
         outs = []
         for gather, keep, rows, width in buckets:
             q, k, v = (x.index_select(0, gather).view(rows, width, *x.shape[1:]).transpose(1, 2)

@@ -47,6 +47,9 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl with CUDA, else gloo
     max_tokens_per_mb: int = 4096  # token budget of one packed micro-batch (>= model.max_seq_len)
     packing: Literal["ffd", "kk"] = "ffd"  # first-fit-decreasing or Karmarkar-Karp
+    # lay out the prompt a group's samples share once per micro-batch, not once per sample
+    # (actor/shared_prefix.py; local layer spec only: the Transformer Engine's attention cannot)
+    share_prompts: bool = True
     # pad each packed micro-batch to a multiple of this many tokens (with sequence parallelism, of its
     # lcm with tp). Kernel libraries keep state per tensor shape (oneDNN's compiled kernels on CPU), so
     # micro-batches of ever new lengths grow the trainer's memory through a run; 64 bounds the shapes

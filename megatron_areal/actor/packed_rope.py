@@ -23,17 +23,22 @@ _cache: dict[str, tuple] = {}
 
 
 def _tables(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [tokens, 1, dim] for positions restarting at 0 in every sequence."""
+    """cos and sin [tokens, 1, dim] for positions restarting at 0 in every sequence, or the
+    positions ``cu_seqlens.positions`` when the micro-batch gives them (shared prompt tokens,
+    actor/microbatch.py: a branch's positions continue from its shared tokens)."""
+    given = getattr(cu_seqlens, "positions", None)
     bounds = tuple(cu_seqlens.tolist())
     rows = freqs.reshape(freqs.size(0), -1)
     fingerprint = tuple(rows[[min(1, rows.size(0) - 1), -1]].sum(-1).tolist())  # the table's content, cheaply
-    key = (bounds, freqs.data_ptr(), tuple(freqs.shape), freqs.dtype, dtype, fingerprint)
+    key = (bounds, None if given is None else tuple(given.tolist()), freqs.data_ptr(), tuple(freqs.shape), freqs.dtype,
+           dtype, fingerprint)
     hit = _cache.get("last")
     if hit is not None and hit[0] == key:
         return hit[1], hit[2]
     starts = cu_seqlens[:-1].long()
     lengths = cu_seqlens[1:].long() - starts
-    positions = torch.arange(bounds[-1], device=freqs.device) - torch.repeat_interleave(starts, lengths)
+    positions = (given.to(freqs.device) if given is not None
+                 else torch.arange(bounds[-1], device=freqs.device) - torch.repeat_interleave(starts, lengths))
     table = freqs.reshape(freqs.size(0), 1, freqs.size(-1))[positions]
     cos, sin = torch.cos(table).to(dtype), torch.sin(table).to(dtype)
     _cache["last"] = (key, cos, sin)
@@ -44,6 +49,8 @@ def packed_rotary(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor
                   multi_latent_attention: bool = False, mscale: float = 1.0, cp_group=None) -> torch.Tensor:
     """``_apply_rotary_pos_emb_thd`` for t [tokens, heads, dim] with one frequency table per micro-batch."""
     if rotary_interleaved or multi_latent_attention or mscale != 1.0 or (cp_group is not None and cp_group.size() != 1):
+        if getattr(cu_seqlens, "positions", None) is not None:
+            raise ValueError("shared prompt tokens need plain rotary embeddings (no interleaving, MLA, mscale or CP)")
         return _reference(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                           multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
     cos, sin = _tables(cu_seqlens, freqs, t.dtype)

@@ -35,12 +35,13 @@ def decode_routes(raw: bytes, n_positions: int, num_layers: int, top_k: int, whe
     return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(n_positions, num_layers, top_k).long()
 
 
-def pack_routes(routes: Sequence[torch.Tensor], seq_ids: Sequence[int], offsets: Sequence[int], n_tokens: int,
-                num_layers: int, top_k: int) -> torch.Tensor:
-    """``[n_tokens, num_layers, top_k]`` routes of one packed micro-batch, ``UNKNOWN`` where none."""
+def pack_routes(routes: Sequence[torch.Tensor], seq_ids: Sequence[int], value_index: Sequence[torch.Tensor],
+                n_tokens: int, num_layers: int, top_k: int) -> torch.Tensor:
+    """``[n_tokens, num_layers, top_k]`` routes of one packed micro-batch, ``UNKNOWN`` where none;
+    sequence ``seq_ids[k]``'s routes go to its positions ``value_index[k]`` (PackedMicroBatch)."""
     out = torch.full((n_tokens, num_layers, top_k), UNKNOWN, dtype=torch.long)
-    for i, o in zip(seq_ids, offsets, strict=True):
-        out[o:o + routes[i].shape[0]] = routes[i]
+    for i, idx in zip(seq_ids, value_index, strict=True):
+        out[idx] = routes[i]
     return out
 
 
