@@ -13,7 +13,9 @@ Megatron's schedule, then one optimizer step.
   baseline: neighbours have similar lengths, so little padding).
 
 Then the reference users compare against: one PPO step of our ``Actor`` on SmolLM2-135M against a
-plain transformers loop on the same sequences (``AutoModelForCausalLM``, right-padded micro-batches
+plain transformers loop on the same sequences (groups of 8 samples sharing a prompt, as in the main
+job; ours lays each group's prompt out once, ``parallel.share_prompts``, and is also timed with
+it off) (``AutoModelForCausalLM``, right-padded micro-batches
 under the same token budget, the same ``decoupled_ppo_loss``, backward, gradient clipping,
 ``torch.optim.AdamW``), same compute dtype and threads, repeats interleaved so background load hits
 both alike. Our actor steps with the main job's optimizer (in bf16: Megatron's precision-aware
@@ -218,13 +220,14 @@ class PeakRSS:
 
 
 def rl_batch(n: int, seed: int):
-    """Main-job-shaped trajectories: prompts of 40-60 tokens, answers of 8-48, groups of 8."""
+    """Main-job-shaped trajectories: groups of 8 samples of one prompt of 40-60 tokens, answers of 8-48."""
     from megatron_areal.rollout.trajectory import Trajectory
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        prompt = [rng.randrange(1000, 40000) for _ in range(rng.randint(40, 60))]
+        if i % 8 == 0:
+            prompt = [rng.randrange(1000, 40000) for _ in range(rng.randint(40, 60))]
         output = [rng.randrange(1000, 40000) for _ in range(rng.randint(8, 48))]
         out.append(Trajectory(prompt_ids=prompt, output_ids=output, group_id=i // 8,
                               output_logprobs=[-1.0 - rng.random() for _ in output], reward=float(rng.random() < 0.5)))
@@ -346,7 +349,12 @@ def versus_transformers(args, groups, hf, fp32) -> int:
     print(f"{len(batch)} sequences, {tokens} tokens (loss tokens {sum(len(t.output_ids) for t in batch)}), "
           f"micro-batch budget {args.hf_budget}: ours {len(actor._plan([t.input_ids for t in batch], 1))} packed, "
           f"transformers {len(hf_microbatches(batch, args.hf_budget))} padded")
-    sides = {"ours": lambda: actor.ppo_update(batch),
+
+    def ours(share: bool) -> None:
+        actor.parallel_cfg.share_prompts = share
+        actor.ppo_update(batch)
+
+    sides = {"ours": lambda: ours(True), "ours-unshared": lambda: ours(False),
              "transformers": lambda: hf_step(hf, hf_opt, batch, args.hf_budget, advantages)}
     times: dict[str, list[float]] = {k: [] for k in sides}
     peaks: dict[str, int] = dict.fromkeys(sides, 0)
@@ -368,13 +376,15 @@ def versus_transformers(args, groups, hf, fp32) -> int:
         [v for s in hf_opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()])
     rate = {k: tokens / statistics.median(v) for k, v in times.items()}
     for name in sides:
-        state = ours_state if name == "ours" else hf_state
+        state = hf_state if name == "transformers" else ours_state
         runs = ", ".join(f"{t:.2f}" for t in times[name])
         print(f"{name:12s} step median {statistics.median(times[name]):7.2f} s ({runs})  {rate[name]:7.1f} tokens/s"
               f"  step peak RSS +{peaks[name] / 2**20:.0f} MB over the step's start, "
               f"weights+grads+optimizer state {state:.0f} MB")
-    ratio = rate["ours"] / rate["transformers"]
-    print(f"RESULT train_vs_hf {ratio:.3f}")
+    print(f"ours with each sample's prompt packed whole (parallel.share_prompts: false) over transformers: "
+          f"{rate['ours-unshared'] / rate['transformers']:.3f}; shared over unshared: "
+          f"{rate['ours'] / rate['ours-unshared']:.3f}")
+    print(f"RESULT train_vs_hf {rate['ours'] / rate['transformers']:.3f}")
     return 0
 
 
