@@ -8,10 +8,13 @@ from and the one the trainer scores are computed in the same dtype.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 log = logging.getLogger(__name__)
+# "1": keep bf16 on any CPU (many times slower without native bf16; tests of the bf16 paths set it)
+BF16_ANYWAY_ENV = "MEGATRON_AREAL_CPU_BF16"
 
 
 def cpu_has_native_bf16() -> bool:
@@ -31,8 +34,9 @@ def cpu_has_native_bf16() -> bool:
 
 def runnable_dtype(dtype: torch.dtype, device: torch.device, who: str) -> torch.dtype:
     """``dtype``, or fp32 where it is bf16 on a CPU without native bf16 matmuls (``who`` names the
-    setting in the warning)."""
-    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+    setting in the warning) unless ``MEGATRON_AREAL_CPU_BF16=1``."""
+    if (dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16()
+            and os.environ.get(BF16_ANYWAY_ENV) != "1"):
         log.warning("%s=bfloat16: this CPU has no native bf16 matmul (AVX512-BF16/AMX), where bf16 runs "
                     "many times slower than fp32; computing in float32 instead", who)
         return torch.float32

@@ -9,9 +9,12 @@ diverge, which shows the comparison can fail.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from megatron_areal.compute_dtype import BF16_ANYWAY_ENV
 from megatron_areal.convert.checkpoint import latest_checkpoint, list_checkpoints
 from megatron_areal.convert.spawn import WorkerPool
 
@@ -175,6 +178,7 @@ def run_state_views_vs_gather(hf_dir: str) -> dict:
     from megatron_areal.model.weights import unwrap
 
     arch = load_arch(hf_dir)
+    os.environ[BF16_ANYWAY_ENV] = "1"  # the bf16 path itself, also on CPUs without native bf16 matmuls
     groups = init_parallel(tp=1, pp=1, backend="gloo", seed=1)
     actor = Actor(arch, ModelConfig(path=hf_dir, dtype="bfloat16", max_seq_len=64), ParallelConfig(),
                   OptimizerConfig(lr=1e-3, bf16_rounding="stochastic"), PPOConfig(), groups, seed=1, total_steps=2)

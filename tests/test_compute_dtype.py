@@ -38,3 +38,9 @@ def test_explicit_float32_and_auto_are_kept(monkeypatch) -> None:
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert compute_dtype.runnable_dtype(torch.bfloat16, torch.device("cuda"), "x") == torch.bfloat16
+
+
+def test_bf16_can_be_kept_on_purpose(monkeypatch) -> None:
+    monkeypatch.setattr(compute_dtype, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setenv(compute_dtype.BF16_ANYWAY_ENV, "1")
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

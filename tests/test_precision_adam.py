@@ -11,11 +11,14 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_actor_parallel import ARCHS, _trajectories
 
 from megatron_areal.actor.precision_adam import PrecisionAwareAdam, join_master, split_master_
+from megatron_areal.compute_dtype import BF16_ANYWAY_ENV
 from megatron_areal.convert.spawn import WorkerPool
 
 pytestmark = pytest.mark.timeout(300)
@@ -129,6 +132,7 @@ def case_precision_aware(rounding: str, tmp: str) -> dict:
     from megatron_areal.algorithm.config import PPOConfig
     from megatron_areal.convert.checkpoint import Checkpointer
 
+    os.environ[BF16_ANYWAY_ENV] = "1"  # the bf16 path itself, also on CPUs without native bf16 matmuls
     groups = init_parallel(1, 1, seed=3, backend="gloo")
 
     def actor(precision_aware: bool, seed: int = 3):
@@ -244,6 +248,7 @@ def case_data_parallel(root: str, save: bool) -> dict:
     from megatron_areal.algorithm.config import PPOConfig
     from megatron_areal.convert.checkpoint import Checkpointer
 
+    os.environ[BF16_ANYWAY_ENV] = "1"  # the bf16 path itself, also on CPUs without native bf16 matmuls
     groups = init_parallel(1, 1, seed=3, backend="gloo")
 
     def actor(seed: int = 3):

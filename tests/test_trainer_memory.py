@@ -10,9 +10,13 @@
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_actor_parallel import ARCHS, Group, _trajectories
+
+from megatron_areal.compute_dtype import BF16_ANYWAY_ENV
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,6 +29,7 @@ def case_step(recompute: bool, multiple: int = 1) -> list[torch.Tensor]:
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.algorithm.config import PPOConfig
 
+    os.environ[BF16_ANYWAY_ENV] = "1"  # the bf16 path itself, also on CPUs without native bf16 matmuls
     groups = init_parallel(1, 1, seed=3, backend="gloo")
     actor = Actor(ARCHS["llama"], ModelConfig(max_seq_len=40, dtype="bfloat16", recompute_activations=recompute),
                   ParallelConfig(tp=1, pp=1, max_tokens_per_mb=48, mb_token_multiple=multiple),
