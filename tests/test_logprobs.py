@@ -32,8 +32,9 @@ def test_logprobs_entropy_and_gradient_match_torch(dtype, temperature, width, re
     (want_lp * weights).sum().backward()
     assert torch.allclose(got_lp, want_lp, atol=1e-5, rtol=0) and torch.allclose(got_ent, want_ent, atol=1e-4, rtol=0)
     assert ours.grad.dtype == dtype and bool((ours.grad[:, real:] == 0).all())
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    assert torch.allclose(ours.grad.float(), ref.grad.float(), atol=tol, rtol=0)
+    # fp32: a few ulps (AVX2 and AVX-512 kernels sum in different orders: 1.7e-6 on gradients up to 4)
+    atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-2, 0)
+    assert torch.allclose(ours.grad.float(), ref.grad.float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
