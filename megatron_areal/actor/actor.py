@@ -102,7 +102,7 @@ class Actor:
         check_lengths(lengths, budget, self.model_cfg.max_seq_len)
         ids = range(len(sequences))
         if self.parallel_cfg.share_prompts and routes is None and self._packed_attention:
-            units = fit_to_budget(prefix_units(sequences, ids, values and values.get("loss_mask")), lengths, budget)
+            units = fit_to_budget(prefix_units(sequences, ids, (values or {}).get("loss_mask")), lengths, budget)
         else:  # MoE routes are placed per sequence (routing_replay.pack_routes)
             units = [Unit((i,)) for i in ids]
         plan = allocate_microbatches([u.n_tokens(lengths) for u in units], budget, self.groups.dp,
