@@ -101,9 +101,9 @@ class Actor:
         budget = self.parallel_cfg.max_tokens_per_mb
         check_lengths(lengths, budget, self.model_cfg.max_seq_len)
         ids = range(len(sequences))
-        if self.parallel_cfg.share_prompts and routes is None and self._packed_attention:
+        if self.parallel_cfg.share_prompts and not self.arch.is_moe and self._packed_attention:
             units = fit_to_budget(prefix_units(sequences, ids, (values or {}).get("loss_mask")), lengths, budget)
-        else:  # MoE routes are placed per sequence (routing_replay.pack_routes)
+        else:  # MoE models (untested with shared tokens) and the TE attention keep each sequence whole
             units = [Unit((i,)) for i in ids]
         plan = allocate_microbatches([u.n_tokens(lengths) for u in units], budget, self.groups.dp,
                                      min_microbatches, self.parallel_cfg.packing)

@@ -48,7 +48,7 @@ class ParallelConfig:
     max_tokens_per_mb: int = 4096  # token budget of one packed micro-batch (>= model.max_seq_len)
     packing: Literal["ffd", "kk"] = "ffd"  # first-fit-decreasing or Karmarkar-Karp
     # lay out the prompt a group's samples share once per micro-batch, not once per sample
-    # (actor/shared_prefix.py; local layer spec only: the Transformer Engine's attention cannot)
+    # (actor/shared_prefix.py; dense models with the local layer spec: not the Transformer Engine's attention)
     share_prompts: bool = True
     # pad each packed micro-batch to a multiple of this many tokens (with sequence parallelism, of its
     # lcm with tp). Kernel libraries keep state per tensor shape (oneDNN's compiled kernels on CPU), so
