@@ -220,14 +220,17 @@ class PeakRSS:
 
 
 def rl_batch(n: int, seed: int):
-    """Main-job-shaped trajectories: groups of 8 samples of one prompt of 40-60 tokens, answers of 8-48."""
+    """Main-job-shaped trajectories: groups of 8 samples of one prompt of 40-60 tokens, answers of 8-48.
+    Every prompt begins with the same 26 tokens, as the main job's chat template gives them a common
+    system header."""
     from megatron_areal.rollout.trajectory import Trajectory
 
     rng = random.Random(seed)
+    header = [rng.randrange(1000, 40000) for _ in range(26)]
     out = []
     for i in range(n):
         if i % 8 == 0:
-            prompt = [rng.randrange(1000, 40000) for _ in range(rng.randint(40, 60))]
+            prompt = header + [rng.randrange(1000, 40000) for _ in range(rng.randint(14, 34))]
         output = [rng.randrange(1000, 40000) for _ in range(rng.randint(8, 48))]
         out.append(Trajectory(prompt_ids=prompt, output_ids=output, group_id=i // 8,
                               output_logprobs=[-1.0 - rng.random() for _ in output], reward=float(rng.random() < 0.5)))

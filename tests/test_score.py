@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from megatron_areal.actor.shared_prefix import prefix_units
 from megatron_areal.convert.convert import hf_to_mcore, mcore_to_hf
 from megatron_areal.convert.score import InputFileError, main, read_sequences, score
 from megatron_areal.convert.spawn import WorkerPool
@@ -45,6 +46,15 @@ def random_sequences(vocab: int, lengths: list[int], seed: int = 0) -> list[list
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
+def groups_sharing_prompts(prompts: list[list[int]], answers: list[list[list[int]]]) -> list[list[int]]:
+    """Each prompt followed by each of its answers, as a GRPO group's samples are; checks that the
+    actor's grouping (actor/shared_prefix.py) lays every group's prompt out once."""
+    sequences = [p + a for p, group in zip(prompts, answers, strict=True) for a in group]
+    units = prefix_units(sequences, range(len(sequences)))
+    assert sorted(len(u.members) for u in units) == sorted(len(g) for g in answers), units
+    return sequences
+
+
 class TestTinyModels:
     @pytest.fixture(scope="class")
     def pool(self):
@@ -55,6 +65,18 @@ class TestTinyModels:
     def test_logprobs_match_transformers_at_every_layout(self, fixture, request, pool):
         hf_dir = request.getfixturevalue(fixture)
         sequences = random_sequences(128, [2, 23, 9, 31, 16])
+        ref = hf_logprobs(hf_dir, sequences)
+        for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
+            got = score("hf", hf_dir, sequences, tp=tp, pp=pp, pool=pool)
+            assert max_diff(got, ref) <= TOLERANCE, (fixture, tp, pp)
+
+    @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+    def test_groups_sharing_a_prompt_match_transformers_at_every_layout(self, fixture, request, pool):
+        # the prompt is computed once per group in the actor, every sample separately in transformers
+        hf_dir = request.getfixturevalue(fixture)
+        prompts = random_sequences(128, [14, 21], seed=2)
+        answers = [random_sequences(128, [1, 6, 11], seed=3), random_sequences(128, [9, 3], seed=4)]
+        sequences = groups_sharing_prompts(prompts, answers) + random_sequences(128, [17], seed=5)
         ref = hf_logprobs(hf_dir, sequences)
         for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
             got = score("hf", hf_dir, sequences, tp=tp, pp=pp, pool=pool)
@@ -73,6 +95,23 @@ class TestTinyModels:
                 logp = torch.log_softmax(model(ids).logits[0, :-1] / 0.5, dim=-1)
                 ref.append(logp.gather(-1, ids[0, 1:, None])[:, 0])
         assert max_diff(got, ref) <= TOLERANCE
+
+
+def test_smollm2_groups_sharing_a_chat_prompt_match_transformers(smollm2):
+    # real weights, the main job's chat template and arithmetic prompts, samples that answer differently
+    from transformers import AutoTokenizer
+
+    from megatron_areal.data.arithmetic import arithmetic_train
+    from megatron_areal.data.template import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    problems = arithmetic_train(seed=0, size=2)
+    prompts = [encode_prompt(tok, p, use_chat_template=True) for p in problems]
+    answers = [[tok(t, add_special_tokens=False).input_ids for t in texts]
+               for texts in (["The answer is 12.", "12", "Let me think: 5 + 7 = 12. So 12."],
+                             ["-3", "The result is 4<|im_end|>"])]
+    sequences = groups_sharing_prompts(prompts, answers)
+    assert max_diff(score("hf", smollm2, sequences), hf_logprobs(smollm2, sequences)) <= TOLERANCE
 
 
 class TestSmolLM2:

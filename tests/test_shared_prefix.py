@@ -21,6 +21,21 @@ def test_samples_of_a_prompt_share_all_but_its_last_token():
     assert prefix_units(seqs, [4, 2], masks) == [Unit((4, 2), 11)]  # the caller's order
 
 
+def test_groups_whose_prompts_share_a_header_each_share_their_whole_prompt():
+    # a chat template starts every prompt with the same system header; grouping all samples by the
+    # header alone would recompute the rest of each prompt for every sample
+    header = list(range(500, 520))  # 20 tokens
+    prompts = [header + [i] * 15 for i in (1, 2, 3)]  # 35 tokens each
+    seqs = [p + [900 + j] * (3 + j) for p in prompts for j in range(4)]
+    masks = [[0] * 34 + [1] * (len(s) - 35) for s in seqs]
+    units = prefix_units(seqs, range(12), masks)
+    assert units == [Unit((0, 1, 2, 3), 34), Unit((4, 5, 6, 7), 34), Unit((8, 9, 10, 11), 34)]
+    # one group and a sample of another: the group shares its prompt, the other stays whole
+    assert prefix_units(seqs, [0, 1, 2, 4], masks) == [Unit((0, 1, 2), 34), Unit((4,))]
+    # two samples of different prompts still share their header when that is all there is
+    assert prefix_units(seqs, [0, 4], masks) == [Unit((0, 4), 19)]  # the 20 header tokens predict 19 values
+
+
 def test_pack_gives_each_sequence_its_own_targets_and_positions():
     seqs = [PROMPT + [1, 2, 3], PROMPT + [4], [7, 8, 9]]
     values = {"loss_mask": [[0] * 11 + [1] * 3, [0] * 11 + [1], [0, 1]]}

@@ -49,27 +49,49 @@ def _untrained_prefix(mask: Sequence[float]) -> int:
 
 def prefix_units(sequences: Sequence[Sequence[int]], ids: Sequence[int],
                  loss_masks: Sequence[Sequence[float]] | None = None, min_shared: int = MIN_SHARED) -> list[Unit]:
-    """``ids`` grouped into units: sequences that agree on at least ``min_shared + 1`` leading tokens
-    (and, given ``loss_masks``, train on none of the shared positions) share them; the rest are
-    units of one. Units come in the order of their first member in ``ids``; a unit's members keep
-    their order in ``ids``."""
+    """``ids`` grouped into units that save the most tokens: sequences that agree on at least
+    ``min_shared + 1`` leading tokens (and, given ``loss_masks``, train on none of the shared
+    positions) share them; the rest are units of one. Units come in the order of their first member
+    in ``ids``; a unit's members keep their order in ids.
+
+    Sorted, sequences with a common prefix are neighbours, and a run of neighbours can share the
+    smallest prefix any two neighbours in it share. Samples of different prompts that begin with
+    the same chat header share only the header, samples of one prompt the whole prompt: a run is
+    cut at its weakest links when its parts save more on their own (``_best_runs``).
+    """
     ordered = sorted(ids, key=lambda i: tuple(sequences[i]))
-    runs: list[tuple[list[int], int]] = []
-    for i in ordered:
-        # a branch needs at least one token of its own: s <= L - 1 for every member
-        limit = len(sequences[i]) - 1
-        if loss_masks is not None:
-            limit = min(limit, _untrained_prefix(loss_masks[i]))
-        if runs:
-            members, shared = runs[-1]
-            s = min(shared, _common_prefix(sequences[members[-1]], sequences[i]) - 1, limit)
-            if s >= min_shared:
-                runs[-1] = (members + [i], s)
-                continue
-        runs.append(([i], limit))
+
+    def limit(i: int) -> int:  # a branch needs at least one token of its own: s <= L - 1
+        own = len(sequences[i]) - 1
+        return own if loss_masks is None else min(own, _untrained_prefix(loss_masks[i]))
+
+    limits = [limit(i) for i in ordered]
+    links = [min(_common_prefix(sequences[a], sequences[b]) - 1, limits[k], limits[k + 1])
+             for k, (a, b) in enumerate(zip(ordered, ordered[1:]))]
     rank = {i: k for k, i in enumerate(ids)}
-    units = [Unit(tuple(sorted(m, key=rank.__getitem__)), s if len(m) > 1 else 0) for m, s in runs]
+    units = []
+    for lo, hi, shared in _best_runs(links, 0, len(ordered), min_shared)[1]:
+        members = tuple(sorted(ordered[lo:hi], key=rank.__getitem__))
+        units.append(Unit(members, shared if len(members) > 1 else 0))
     return sorted(units, key=lambda u: rank[u.members[0]])
+
+
+def _best_runs(links: Sequence[int], lo: int, hi: int, min_shared: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """(tokens saved, runs ``(lo, hi, shared)``) for sorted members ``lo .. hi-1``, where ``links[k]``
+    is what members k and k + 1 can share: either one run sharing the weakest link (saving it once
+    per member after the first) or the parts between its weakest links, each at its best."""
+    if hi - lo == 1:
+        return 0, [(lo, hi, 0)]
+    weakest = min(links[lo:hi - 1])
+    whole = (hi - lo - 1) * weakest if weakest >= min_shared else 0
+    cuts = [k + 1 for k in range(lo, hi - 1) if links[k] == weakest]
+    saved, runs = 0, []
+    for a, b in zip([lo, *cuts], [*cuts, hi]):
+        part_saved, part_runs = _best_runs(links, a, b, min_shared)
+        saved, runs = saved + part_saved, runs + part_runs
+    if whole >= saved and whole > 0:
+        return whole, [(lo, hi, weakest)]
+    return saved, runs
 
 
 def fit_to_budget(units: Sequence[Unit], lengths: Sequence[int], budget: int) -> list[Unit]:
