@@ -36,6 +36,16 @@ def test_groups_whose_prompts_share_a_header_each_share_their_whole_prompt():
     assert prefix_units(seqs, [0, 4], masks) == [Unit((0, 4), 19)]  # the 20 header tokens predict 19 values
 
 
+def test_deeply_nested_prefixes_need_no_recursion():
+    # 1,200 sequences, each sharing one token less with the next: deeper than Python's recursion limit
+    seqs = [list(range(1300 - i)) + [5000 + i, 1] for i in range(1200)]
+    units = prefix_units(seqs, range(1200))
+    assert sum(len(u.members) for u in units) == 1200
+    # the best first unit: members 0..650 share range(650) less its last token, saving 650 x 649
+    # tokens, the most any run of them can (k members share 1,299 - k)
+    assert units[0] == Unit(tuple(range(651)), 649)
+
+
 def test_pack_gives_each_sequence_its_own_targets_and_positions():
     seqs = [PROMPT + [1, 2, 3], PROMPT + [4], [7, 8, 9]]
     values = {"loss_mask": [[0] * 11 + [1] * 3, [0] * 11 + [1], [0, 1]]}

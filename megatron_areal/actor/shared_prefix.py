@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 MIN_SHARED = 8  # fewer shared tokens than this are not worth laying out apart
 
@@ -70,28 +71,44 @@ def prefix_units(sequences: Sequence[Sequence[int]], ids: Sequence[int],
              for k, (a, b) in enumerate(zip(ordered, ordered[1:]))]
     rank = {i: k for k, i in enumerate(ids)}
     units = []
-    for lo, hi, shared in _best_runs(links, 0, len(ordered), min_shared)[1]:
+    for lo, hi, shared in [] if not ordered else _best_runs(links, min_shared):
         members = tuple(sorted(ordered[lo:hi], key=rank.__getitem__))
         units.append(Unit(members, shared if len(members) > 1 else 0))
     return sorted(units, key=lambda u: rank[u.members[0]])
 
 
-def _best_runs(links: Sequence[int], lo: int, hi: int, min_shared: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """(tokens saved, runs ``(lo, hi, shared)``) for sorted members ``lo .. hi-1``, where ``links[k]``
-    is what members k and k + 1 can share: either one run sharing the weakest link (saving it once
-    per member after the first) or the parts between its weakest links, each at its best."""
-    if hi - lo == 1:
-        return 0, [(lo, hi, 0)]
-    weakest = min(links[lo:hi - 1])
-    whole = (hi - lo - 1) * weakest if weakest >= min_shared else 0
-    cuts = [k + 1 for k in range(lo, hi - 1) if links[k] == weakest]
-    saved, runs = 0, []
-    for a, b in zip([lo, *cuts], [*cuts, hi]):
-        part_saved, part_runs = _best_runs(links, a, b, min_shared)
-        saved, runs = saved + part_saved, runs + part_runs
-    if whole >= saved and whole > 0:
-        return whole, [(lo, hi, weakest)]
-    return saved, runs
+def _best_runs(links: Sequence[int], min_shared: int) -> list[tuple[int, int, int]]:
+    """Runs ``(lo, hi, shared)`` of sorted members that save the most tokens, where ``links[k]`` is
+    what members k and k + 1 can share. A run shares its weakest link, saving it once per member
+    after the first; it is kept whole or cut at its weakest links into parts that are each at their
+    best, whichever saves more. Computed bottom-up, strongest links first (a union of neighbouring
+    segments), so the depth of nested prompts costs no recursion."""
+    n = len(links) + 1
+    root = list(range(n))
+    span = {k: (k, k + 1) for k in range(n)}
+    best: dict[int, tuple[int, list[tuple[int, int, int]]]] = {k: (0, [(k, k + 1, 0)]) for k in range(n)}
+
+    def find(k: int) -> int:
+        while root[k] != k:
+            root[k] = root[root[k]]
+            k = root[k]
+        return k
+
+    order = sorted(range(n - 1), key=lambda k: -links[k])
+    for value, same in groupby(order, key=lambda k: links[k]):
+        parts: dict[int, tuple[int, list]] = {}  # segments joined at this value: their parts' best
+        for k in same:
+            a, b = find(k), find(k + 1)
+            saved_a, runs_a = parts.pop(a, None) or best.pop(a)
+            saved_b, runs_b = parts.pop(b, None) or best.pop(b)
+            root[b] = a
+            span[a] = (span[a][0], span.pop(b)[1])
+            parts[a] = (saved_a + saved_b, runs_a + runs_b)
+        for r, (saved, runs) in parts.items():
+            lo, hi = span[r]
+            whole = (hi - lo - 1) * value if value >= min_shared else 0
+            best[r] = (whole, [(lo, hi, value)]) if whole > 0 and whole >= saved else (saved, runs)
+    return [run for _, runs in best.values() for run in runs]
 
 
 def fit_to_budget(units: Sequence[Unit], lengths: Sequence[int], budget: int) -> list[Unit]:
