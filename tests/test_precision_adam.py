@@ -238,6 +238,55 @@ def test_in_megatrons_distributed_optimizer(tmp_path):
     assert out["resumed_equal"]
 
 
+def case_fp32_weights(tmp: str) -> dict:
+    """The main job's optimizer settings where the weights are fp32 (model.dtype float32, or bfloat16 on a
+    CPU without native bf16, compute_dtype.py): a step, a checkpoint, a resumed run."""
+    from megatron_areal.actor.actor import Actor
+    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.convert.checkpoint import Checkpointer
+
+    groups = init_parallel(1, 1, seed=3, backend="gloo")
+
+    def actor(seed: int = 3):
+        return Actor(ARCHS["llama"], ModelConfig(max_seq_len=40, dtype="float32"),
+                     ParallelConfig(tp=1, pp=1, max_tokens_per_mb=48),
+                     OptimizerConfig(lr=1e-3, precision_aware=True, bf16_rounding="stochastic",
+                                     main_grads_dtype="bfloat16", exp_avg_dtype="bfloat16",
+                                     exp_avg_sq_dtype="bfloat16"),
+                     PPOConfig(), groups, seed=seed, total_steps=4)
+
+    def weights(a) -> list[torch.Tensor]:
+        return [p.detach().clone() for c in a.model for p in c.parameters()]
+
+    out = {}
+    first = actor()
+    start = weights(first)
+    first.ppo_update(_trajectories(), 0.7)
+    out["moved"] = any(not torch.equal(x, y) for x, y in zip(start, weights(first), strict=True))
+    out["dtype"] = start[0].dtype
+    ckpt = Checkpointer(tmp, ARCHS["llama"], groups, keep=1)
+    ckpt.save(1, first.model, first.optimizer, first.scheduler)
+    resumed = actor(seed=9)
+    ckpt.load(ckpt.latest(), resumed.model, resumed.optimizer, resumed.scheduler)
+    out["loaded_equal"] = all(torch.equal(x, y) for x, y in zip(weights(first), weights(resumed), strict=True))
+    for a in (first, resumed):
+        a.ppo_update(_trajectories(), 0.7)
+    out["resumed_equal"] = all(torch.equal(x, y) for x, y in zip(weights(first), weights(resumed), strict=True))
+    teardown_parallel()
+    return out
+
+
+def test_fp32_weights_step_save_and_resume(tmp_path):
+    """Until fixed, the main job on an AVX2-only CPU (fp32 weights under these settings) trained, then died
+    at its first checkpoint: Megatron looked for a ``master_param`` that fp32 weights did not have."""
+    with WorkerPool(1, timeout_s=300) as pool:
+        out = pool.run(case_fp32_weights, str(tmp_path))[0]
+    assert out["dtype"] == torch.float32 and out["moved"]
+    assert out["loaded_equal"] and out["resumed_equal"]
+
+
 def case_data_parallel(root: str, save: bool) -> dict:
     """One precision-aware step on the same batch at this world size (all ranks data parallel). With ``save``
     the checkpoint goes to ``root`` and is loaded back at this layout; else the checkpoint there (saved at

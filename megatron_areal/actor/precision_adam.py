@@ -133,14 +133,17 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         self.generator = torch.Generator().manual_seed(seed)
 
     def initialize_state(self, param: torch.Tensor) -> None:
-        """Zero moments, step 0, and for bf16 weights a zero remainder (the master is the weight)."""
+        """Zero moments, step 0, and the master: for bf16 weights a zero remainder, an fp32 weight itself."""
         state = self.state[param]
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros(param.shape, dtype=self.exp_avg_dtype, device=param.device)
         state["exp_avg_sq"] = torch.zeros(param.shape, dtype=self.exp_avg_sq_dtype, device=param.device)
         if param.dtype == torch.bfloat16:
             state["master_param"] = torch.zeros(param.shape, dtype=torch.int16, device=param.device)
-        elif param.dtype != torch.float32:
+        elif param.dtype == torch.float32:
+            # an fp32 weight is its own master; Megatron's checkpoints read and write it as this state
+            state["master_param"] = param.detach()
+        else:
             raise TypeError(f"PrecisionAwareAdam takes bf16 or fp32 parameters, got {param.dtype}")
 
     def get_unscaled_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
@@ -176,11 +179,9 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         value = value.reshape(param.shape)
         if key != "master_param":
             _store_(state[key], value, None)
-        elif "master_param" not in state:  # fp32 weights are their own master
-            _store_(param.detach(), value, None)
         elif state["master_param"].dtype == torch.int16:
             keep_weight_set_master_(param.detach(), state["master_param"], value.float())
-        else:  # held in fp32 (``fp32_masters``)
+        else:  # held in fp32 (``fp32_masters``), or an fp32 weight itself
             _store_(state["master_param"], value, None)
 
     def _state(self, param: torch.Tensor) -> dict:
@@ -223,8 +224,8 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         step_size = lr / (1 - beta1 ** step)
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
         flat = {k: t.view(-1) for k, t in (("p", param), ("g", grad), ("m", state["exp_avg"]),
-                                           ("v", state["exp_avg_sq"]), ("r", state.get("master_param")))
-                if t is not None}
+                                           ("v", state["exp_avg_sq"]), ("r", state["master_param"]))
+                if t.dtype != torch.float32 or k != "r"}  # remainders of bf16 weights only
         for start in range(0, param.numel(), _CHUNK):
             c = {k: t[start:start + _CHUNK] for k, t in flat.items()}
             master = join_master(c["p"], c["r"]) if "r" in c else c["p"]
