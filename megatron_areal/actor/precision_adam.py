@@ -223,9 +223,9 @@ class PrecisionAwareAdam(torch.optim.AdamW):
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         step_size = lr / (1 - beta1 ** step)
         bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        remainder = state["master_param"] if state["master_param"].dtype == torch.int16 else None  # bf16 weights
         flat = {k: t.view(-1) for k, t in (("p", param), ("g", grad), ("m", state["exp_avg"]),
-                                           ("v", state["exp_avg_sq"]), ("r", state["master_param"]))
-                if t.dtype != torch.float32 or k != "r"}  # remainders of bf16 weights only
+                                           ("v", state["exp_avg_sq"]), ("r", remainder)) if t is not None}
         for start in range(0, param.numel(), _CHUNK):
             c = {k: t[start:start + _CHUNK] for k, t in flat.items()}
             master = join_master(c["p"], c["r"]) if "r" in c else c["p"]

@@ -61,6 +61,8 @@ def prefix_units(sequences: Sequence[Sequence[int]], ids: Sequence[int],
     cut at its weakest links when its parts save more on their own (``_best_runs``).
     """
     ordered = sorted(ids, key=lambda i: tuple(sequences[i]))
+    if not ordered:
+        return []
 
     def limit(i: int) -> int:  # a branch needs at least one token of its own: s <= L - 1
         own = len(sequences[i]) - 1
@@ -71,7 +73,7 @@ def prefix_units(sequences: Sequence[Sequence[int]], ids: Sequence[int],
              for k, (a, b) in enumerate(zip(ordered, ordered[1:]))]
     rank = {i: k for k, i in enumerate(ids)}
     units = []
-    for lo, hi, shared in [] if not ordered else _best_runs(links, min_shared):
+    for lo, hi, shared in _best_runs(links, min_shared):
         members = tuple(sorted(ordered[lo:hi], key=rank.__getitem__))
         units.append(Unit(members, shared if len(members) > 1 else 0))
     return sorted(units, key=lambda u: rank[u.members[0]])
@@ -81,33 +83,25 @@ def _best_runs(links: Sequence[int], min_shared: int) -> list[tuple[int, int, in
     """Runs ``(lo, hi, shared)`` of sorted members that save the most tokens, where ``links[k]`` is
     what members k and k + 1 can share. A run shares its weakest link, saving it once per member
     after the first; it is kept whole or cut at its weakest links into parts that are each at their
-    best, whichever saves more. Computed bottom-up, strongest links first (a union of neighbouring
-    segments), so the depth of nested prompts costs no recursion."""
+    best, whichever saves more. Computed bottom-up, strongest links first, by joining neighbouring
+    segments, so the depth of nested prompts costs no recursion."""
     n = len(links) + 1
-    root = list(range(n))
-    span = {k: (k, k + 1) for k in range(n)}
+    end = list(range(1, n + 1))  # end[lo]: the segment starting at member lo ends before end[lo]
+    start = list(range(-1, n))  # start[hi]: the segment ending before member hi starts at start[hi]
     best: dict[int, tuple[int, list[tuple[int, int, int]]]] = {k: (0, [(k, k + 1, 0)]) for k in range(n)}
-
-    def find(k: int) -> int:
-        while root[k] != k:
-            root[k] = root[root[k]]
-            k = root[k]
-        return k
-
     order = sorted(range(n - 1), key=lambda k: -links[k])
     for value, same in groupby(order, key=lambda k: links[k]):
         parts: dict[int, tuple[int, list]] = {}  # segments joined at this value: their parts' best
-        for k in same:
-            a, b = find(k), find(k + 1)
+        for k in same:  # join the segment ending at member k with the one starting at k + 1
+            a, b = start[k + 1], k + 1
             saved_a, runs_a = parts.pop(a, None) or best.pop(a)
             saved_b, runs_b = parts.pop(b, None) or best.pop(b)
-            root[b] = a
-            span[a] = (span[a][0], span.pop(b)[1])
+            end[a] = end[b]
+            start[end[b]] = a
             parts[a] = (saved_a + saved_b, runs_a + runs_b)
-        for r, (saved, runs) in parts.items():
-            lo, hi = span[r]
-            whole = (hi - lo - 1) * value if value >= min_shared else 0
-            best[r] = (whole, [(lo, hi, value)]) if whole > 0 and whole >= saved else (saved, runs)
+        for lo, (saved, runs) in parts.items():
+            whole = (end[lo] - lo - 1) * value if value >= min_shared else 0
+            best[lo] = (whole, [(lo, end[lo], value)]) if whole > 0 and whole >= saved else (saved, runs)
     return [run for _, runs in best.values() for run in runs]
 
 
