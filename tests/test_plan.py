@@ -240,6 +240,15 @@ def test_cpu_roles_get_their_thread_count_and_gpu_roles_do_not():
     assert env.get("OMP_NUM_THREADS") != "3" and env["CUDA_VISIBLE_DEVICES"] == "0"
 
 
+def test_cpu_roles_sleep_at_openmp_barriers_unless_the_user_says_otherwise(monkeypatch):
+    from megatron_areal.launch.commands import role_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert role_env((), False, threads=2)["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert role_env((), False, threads=2)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 # ---- Transformer Engine: required on GPUs unless the config opts out; sequence parallelism needs it
 
 

@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_areal.launch.commands import cpu_thread_env
 from megatron_areal.launch.server_process import start_server, stop_server
 from megatron_areal.netutil import free_port
 
@@ -54,5 +55,5 @@ def start_embedded(model: str | Path, *, args: list[str] | None = None, host: st
     cmd = [sys.executable, "-m", "megatron_areal.server.cli", "--model", str(model), "--host", host,
            "--port", str(port), *(args or [])]
     url = f"http://{host}:{port}"
-    proc = start_server(cmd, url, log_path, timeout_s=timeout_s, env={"OMP_NUM_THREADS": str(threads)})
+    proc = start_server(cmd, url, log_path, timeout_s=timeout_s, env=cpu_thread_env(threads))
     return LocalServer(proc=proc, url=url, log_path=Path(log_path), temp_dir=temp_dir)
