@@ -2,7 +2,7 @@
 
 Builds the actor the way ``trainer/policy.py`` does (SmolLM2-135M, ``configs/smollm2_arith.yaml``: bf16
 weights, Megatron's distributed optimizer, stochastic bf16 rounding, one rank), then runs PPO steps on
-main-job-shaped batches (6 prompts x 8 samples of real arithmetic prompts, outputs of up to 48 tokens),
+batches of 6 prompts x 8 samples of real arithmetic prompts (the main job trains 3 a step now; outputs of up to 48 tokens),
 saves checkpoints and loads the last one back (as a resumed run does), printing after each phase the
 current resident set (``VmRSS``), the phase's own peak (``VmHWM``, reset before each phase through
 ``/proc/self/clear_refs``) and the process peak (``perf/trainer_peak_rss_gb`` logs ``ru_maxrss``, which
