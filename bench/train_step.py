@@ -117,7 +117,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--hf-sequences", type=int, default=48, help="sequences of the SmolLM2 step (6 groups of 8; the main job now trains 3 a step)")
+    ap.add_argument("--hf-sequences", type=int, default=48,
+                    help="sequences of the SmolLM2 step (6 groups of 8; the main job trains 3 a step now)")
     ap.add_argument("--hf-budget", type=int, default=768, help="tokens per micro-batch (smollm2_arith.yaml)")
     ap.add_argument("--hf-repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
