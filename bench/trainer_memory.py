@@ -2,13 +2,13 @@
 
 Builds the actor the way ``trainer/policy.py`` does (SmolLM2-135M, ``configs/smollm2_arith.yaml``: bf16
 weights, Megatron's distributed optimizer, stochastic bf16 rounding, one rank), then runs PPO steps on
-batches of 6 prompts x 8 samples of real arithmetic prompts (the main job trains 3 a step now; outputs
-of up to 48 tokens), saves checkpoints and loads the last one back (as a resumed run does), printing
-after each phase the current resident set (``VmRSS``), the phase's own peak (``VmHWM``, reset before
-each phase through ``/proc/self/clear_refs``) and the process peak (``perf/trainer_peak_rss_gb`` logs
-``ru_maxrss``, which that reset clears too, so the bench keeps the maximum itself), and the most memory
-glibc's ``malloc`` had handed out during the phase: what a resident peak holds beyond that (less the
-libraries' ~0.35 GiB) is freed memory the C heap kept.
+batches of the config's shape (``rollout.batch_size`` real arithmetic prompts x ``group_size`` samples,
+random outputs of up to ``max_new_tokens`` tokens), saves checkpoints and loads the last one back (as a
+resumed run does), printing after each phase the current resident set (``VmRSS``), the phase's own peak
+(``VmHWM``, reset before each phase through ``/proc/self/clear_refs``) and the process peak
+(``perf/trainer_peak_rss_gb`` logs ``ru_maxrss``, which that reset clears too, so the bench keeps the
+maximum itself), and the most memory glibc's ``malloc`` had handed out during the phase: what a resident
+peak holds beyond that (less the libraries' ~0.35 GiB) is freed memory the C heap kept.
 Measured at c37df5c, 3 steps: a resident peak of 4.35 GiB where ``malloc`` never had more
 than 3.26 GiB out, so about 0.7 GiB of the peak was freed heap; with mimalloc preloaded instead of
 glibc's allocator the peak was 3.75 GiB. So, like the launcher (``cluster.cpu_allocator``,
