@@ -249,6 +249,24 @@ def test_cpu_roles_sleep_at_openmp_barriers_unless_the_user_says_otherwise(monke
     assert role_env((), False, threads=2)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+def test_cpu_roles_with_cores_of_their_own_keep_openmps_spinning(monkeypatch):
+    """Sleeping at every barrier costs a decode step hundreds of wake-ups: only roles that share cores sleep."""
+    from megatron_areal.launch.commands import role_env, shares_cores
+    from megatron_areal.launch.plan import Node, make_plan
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert "OMP_WAIT_POLICY" not in role_env((), False, threads=2, shares_cores=False)
+    cfg = load_config(ROOT / "configs/smollm2_arith.yaml",
+                      ["server.count=2", "server.threads=1", "cluster.cpu_threads=1"])
+    plan = make_plan([Node("n0", "127.0.0.1")], 0, cfg.cluster, cfg.server, 1, 1)
+    assert plan.cpu_threads_on("n0", server_threads=1, trainer_threads=1) == 3
+    assert plan.cpu_threads_on("n0", server_threads=2, trainer_threads=3) == 7
+    monkeypatch.setattr("megatron_areal.launch.commands.usable_cores", lambda: 2)
+    assert shares_cores(plan, "n0", cfg)
+    monkeypatch.setattr("megatron_areal.launch.commands.usable_cores", lambda: 3)
+    assert not shares_cores(plan, "n0", cfg)
+
+
 # ---- Transformer Engine: required on GPUs unless the config opts out; sequence parallelism needs it
 
 

@@ -1,6 +1,7 @@
 """The engine in-process: every model family against transformers, sampling, continuous batching."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -293,3 +294,27 @@ def test_rms_norm_rounds_once_as_sglang_and_the_trainer_do() -> None:
     with torch.no_grad():
         norm32.weight.copy_(w.float())
         assert torch.equal(norm32(x.float()), w.float() * x32)  # fp32: the two forms are the same
+
+
+def test_building_the_engine_leaves_no_openmp_team_beside_the_runners(tiny_llama) -> None:
+    """The engine is built on one thread (the server's loader) and stepped on another (the runner).
+    A loader that computed with several threads kept an OpenMP team of its own, and with more OpenMP
+    threads than CPUs libgomp sleeps at every barrier: a 2-thread server decoded no faster than a
+    1-thread one (server/one_thread.py). Building with 2 threads must start no thread."""
+    counts: dict[str, int] = {}
+
+    def build() -> None:
+        torch.set_num_threads(2)
+        counts["before"] = len(os.listdir("/proc/self/task"))
+        engine = Engine(tiny_llama, EngineOptions(max_running=32, context_length=512))
+        counts["after"] = len(os.listdir("/proc/self/task"))
+        counts["threads"] = torch.get_num_threads()
+        del engine
+
+    before = torch.get_num_threads()
+    loader = threading.Thread(target=build)
+    loader.start()
+    loader.join()
+    torch.set_num_threads(before)
+    assert counts["after"] == counts["before"], counts
+    assert counts["threads"] == 2  # the thread count is given back afterwards

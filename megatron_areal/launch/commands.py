@@ -95,30 +95,48 @@ def visible_devices(local: tuple[int, ...], env: dict[str, str]) -> str | None:
     return ",".join(ids[i] for i in local)
 
 
-def cpu_thread_env(threads: int, env: dict[str, str] | None = None) -> dict[str, str]:
-    """Thread settings of a CPU role that shares the machine's cores with other roles.
+def cpu_thread_env(threads: int, env: dict[str, str] | None = None, *, shares_cores: bool) -> dict[str, str]:
+    """Thread settings of a CPU role: ``threads`` torch threads, and where the roles on the machine ask
+    for more threads than it has cores (``shares_cores``), OpenMP threads that sleep at a barrier
+    instead of spinning (``OMP_WAIT_POLICY=PASSIVE``). ``env`` (default: this process's) may set a
+    policy of its own, which is kept.
 
-    ``threads`` torch threads, and OpenMP threads that sleep at a barrier instead of spinning
-    (``OMP_WAIT_POLICY=PASSIVE``, unless ``env`` sets a policy already): while a trainer's threads
-    spin waiting for one that lost its core to a server, the server gets less of that core and
-    the trainer waits longer. On two cores, a two-thread and a one-thread process sharing them ran
-    40% and 24% faster passive than spinning.
+    Shared cores: while a trainer's threads spin waiting for one that lost its core to a server, the
+    server gets less of that core and the trainer waits longer; on two cores, a two-thread and a
+    one-thread process sharing them ran 40% and 24% faster passive than spinning. Cores of its own:
+    sleeping costs a wake-up per parallel region, and a decode step has hundreds; a two-thread server
+    alone on two cores decoded bench/serve.py's workload in 37.5-37.7 s spinning, 51-68 s passive.
     """
-    return {"OMP_NUM_THREADS": str(threads),
-            "OMP_WAIT_POLICY": (env or os.environ).get("OMP_WAIT_POLICY", "PASSIVE")}
+    out = {"OMP_NUM_THREADS": str(threads)}
+    policy = (env if env is not None else os.environ).get("OMP_WAIT_POLICY")
+    if policy or shares_cores:
+        out["OMP_WAIT_POLICY"] = policy or "PASSIVE"
+    return out
+
+
+def shares_cores(plan: Plan, node: str, cfg: Config) -> bool:
+    """Whether the CPU roles on ``node`` ask for more threads than this machine has cores."""
+    return plan.cpu_threads_on(node, cfg.server.threads, cfg.cluster.cpu_threads) > usable_cores()
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask, which Slurm and containers narrow)."""
+    return len(os.sched_getaffinity(0))
 
 
 def role_env(gpus: tuple[int, ...], single_rank: bool, master: tuple[str, int] | None = None,
-             threads: int | None = None, allocator: str = "glibc") -> dict[str, str]:
+             threads: int | None = None, allocator: str = "glibc", shares_cores: bool = True) -> dict[str, str]:
     """Environment of a role. ``threads`` pins torch's CPU threads of a CPU role, so that servers
-    and trainer ranks sharing a machine divide its cores instead of oversubscribing them;
-    ``allocator`` (``cluster.cpu_allocator``) may preload mimalloc into a CPU role (launch/allocator.py)."""
+    and trainer ranks sharing a machine divide its cores instead of oversubscribing them
+    (``shares_cores``: whether the node's CPU roles together ask for more threads than it has cores,
+    ``Plan.cpu_threads_on``); ``allocator`` (``cluster.cpu_allocator``) may preload mimalloc into a
+    CPU role (launch/allocator.py)."""
     env = dict(os.environ) if gpus else with_allocator(dict(os.environ), allocator)
     devices = visible_devices(gpus, env)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     if threads is not None and not gpus:
-        env.update(cpu_thread_env(threads, env))
+        env.update(cpu_thread_env(threads, env, shares_cores=shares_cores))
     if single_rank and master is not None:  # what torchrun would set for a world of one
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))

@@ -55,5 +55,6 @@ def start_embedded(model: str | Path, *, args: list[str] | None = None, host: st
     cmd = [sys.executable, "-m", "megatron_areal.server.cli", "--model", str(model), "--host", host,
            "--port", str(port), *(args or [])]
     url = f"http://{host}:{port}"
-    proc = start_server(cmd, url, log_path, timeout_s=timeout_s, env=cpu_thread_env(threads))
+    env = cpu_thread_env(threads, shares_cores=False)  # a server on its own cores
+    proc = start_server(cmd, url, log_path, timeout_s=timeout_s, env=env)
     return LocalServer(proc=proc, url=url, log_path=Path(log_path), temp_dir=temp_dir)

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 from megatron_areal.config import Config
-from megatron_areal.launch.commands import role_env, server_command, trainer_command
+from megatron_areal.launch.commands import role_env, server_command, shares_cores, trainer_command
 from megatron_areal.launch.control import clear_requests
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.errors import LaunchError
@@ -83,11 +83,13 @@ def run_local(cfg: Config, config_path: str, overrides: list[str], model_dir: st
 def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, overrides: list[str],
                config_path: str, model_dir: str) -> int:
     servers = {}
+    shared = shares_cores(plan, plan.nodes[0].name, cfg)
     for i, slot in enumerate(plan.servers):
         name = f"server-{i}"
         servers[name] = slot
         procs.start(name, server_command(slot, cfg, model_dir, run.servers),
-                    env_with_api_key(role_env(slot.gpus, False, threads=cfg.server.threads), cfg.server.api_key))
+                    env_with_api_key(role_env(slot.gpus, False, threads=cfg.server.threads, shares_cores=shared),
+                                     cfg.server.api_key))
 
     def dead_server() -> str | None:
         for c in procs.exited():
@@ -99,7 +101,7 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, override
     t = plan.trainer
     cmd = trainer_command(plan, 0, config_path, overrides, run.plan)
     env = role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port), threads=cfg.cluster.cpu_threads,
-                   allocator=cfg.cluster.cpu_allocator)
+                   allocator=cfg.cluster.cpu_allocator, shares_cores=shared)
     trainer = procs.start("trainer", cmd, env_with_api_key(env, cfg.server.api_key))
     keeper = ServerKeeper(procs, {c.name: c for c in procs.children if c.name in servers},
                           {name: slot.id for name, slot in servers.items()}, cfg.server.max_restarts,

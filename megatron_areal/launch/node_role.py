@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from megatron_areal.config import Config, load_config
-from megatron_areal.launch.commands import role_env, server_command, trainer_command
+from megatron_areal.launch.commands import role_env, server_command, shares_cores, trainer_command
 from megatron_areal.launch.control import checkpoint_on_usr1
 from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.plan import Plan, ServerSlot
@@ -48,7 +48,8 @@ def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, pr
     if not slots:
         raise RuntimeError(f"the plan puts no rollout server on node {node}")
     started = [(slot, procs.start(f"server-{slot.id}", server_command(slot, cfg, cfg.model.path, reg),
-                                  env_with_api_key(role_env(slot.gpus, False, threads=cfg.server.threads),
+                                  env_with_api_key(role_env(slot.gpus, False, threads=cfg.server.threads,
+                                                            shares_cores=shares_cores(plan, node, cfg)),
                                                    cfg.server.api_key))) for slot in slots]
     if cfg.server.engine == "sglang":
         try:
@@ -82,7 +83,8 @@ def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespac
     cmd = trainer_command(plan, rank, args.config, args.overrides, args.plan)
     child = procs.start(f"torchrun-{node}", cmd, role_env(t.gpus, t.world_size == 1, (t.master_addr, t.master_port),
                                                                  threads=cfg.cluster.cpu_threads,
-                                                                 allocator=cfg.cluster.cpu_allocator))
+                                                                 allocator=cfg.cluster.cpu_allocator,
+                                                                 shares_cores=shares_cores(plan, node, cfg)))
     procs.wait_any()
     return child.returncode() or 0
 

@@ -85,6 +85,12 @@ class Plan:
     def servers_on(self, node: str) -> list[ServerSlot]:
         return [s for s in self.servers if s.node == node]
 
+    def cpu_threads_on(self, node: str, server_threads: int, trainer_threads: int) -> int:
+        """Torch threads the CPU roles on ``node`` ask for together (roles on GPUs count none)."""
+        servers = sum(server_threads for s in self.servers_on(node) if not s.gpus)
+        t = self.trainer
+        return servers + (t.nproc_per_node * trainer_threads if node in t.nodes and not t.gpus else 0)
+
     def nodes_with_role(self, role: str) -> list[str]:
         return [n.name for n in self.nodes if self.role_of(n.name) in (role, "both")]
 

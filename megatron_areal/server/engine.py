@@ -21,6 +21,7 @@ from megatron_areal.server.attention import ForwardBatch
 from megatron_areal.server.config import EngineOptions
 from megatron_areal.server.kv_cache import KVCache
 from megatron_areal.server.model import CausalLM, rope_inv_freq
+from megatron_areal.server.one_thread import one_thread
 from megatron_areal.server.routes import RouteLog
 from megatron_areal.server.sampler import SamplingParams, sample
 from megatron_areal.server.scheduler import Request, Scheduler
@@ -65,11 +66,12 @@ class Engine:
         self.dtype = runnable_dtype(parse_dtype(opts.dtype), self.device, "dtype") if opts.dtype else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.max_len = opts.context_length_for(self.arch.max_position_embeddings)
-        self.model = CausalLM(self.arch).to(dtype=self.dtype)
-        self.model.inv_freq = rope_inv_freq(self.arch)  # rotary frequencies stay fp32 under bf16 weights
-        load_weights(self.model, read_safetensors(model_path), complete=True)
-        self.model.to(self.device).eval()
-        self.cache = KVCache(self.arch, opts.max_running, self.max_len, self.dtype, self.device)
+        with one_thread():  # this thread keeps no OpenMP team beside the runner's (see one_thread)
+            self.model = CausalLM(self.arch).to(dtype=self.dtype)
+            self.model.inv_freq = rope_inv_freq(self.arch)  # rotary frequencies stay fp32 under bf16 weights
+            load_weights(self.model, read_safetensors(model_path), complete=True)
+            self.model.to(self.device).eval()
+            self.cache = KVCache(self.arch, opts.max_running, self.max_len, self.dtype, self.device)
         self.scheduler = Scheduler(max_running=opts.max_running, max_len=self.max_len,
                                    eos_ids=self.arch.eos_token_ids,
                                    max_prefill_tokens=opts.max_prefill_tokens, decode=decode)
@@ -401,13 +403,14 @@ class Engine:
     # ---- weights -------------------------------------------------------------------------
     def update_from_disk(self, model_path: str, version: str | None) -> None:
         """Install the whole model from a safetensors folder as ``version``."""
-        tensors = read_safetensors(model_path)
+        with one_thread():
+            tensors = read_safetensors(model_path)
         self._install(tensors, version, complete=True)
         self.model_path = str(model_path)
 
     def checksums(self, dtype: torch.dtype | None) -> dict[str, dict[str, object]]:
         """Per-tensor checksums of the weights (in ``dtype`` if given), to compare with the trainer's."""
-        with self._lock:
+        with self._lock, one_thread():
             return checksums(self.model, dtype)
 
     # Weight-group methods run on the API's one weight thread, in arrival order (as SGLang's
@@ -468,11 +471,12 @@ class Engine:
             raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group")
         specs = _parse_specs(names, dtypes, shapes)
         sizes = check_bucket_offsets(specs) if flattened else None
-        tensors = _receive(group, specs, sizes)
+        with one_thread():
+            tensors = _receive(group, specs, sizes)
         self._install(tensors, version, complete=False)
 
     def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool) -> None:
-        with self._lock:
+        with self._lock, one_thread():
             load_weights(self.model, tensors, complete=complete)
             if version is not None:
                 self.weight_version = str(version)
