@@ -318,3 +318,24 @@ def test_building_the_engine_leaves_no_openmp_team_beside_the_runners(tiny_llama
     torch.set_num_threads(before)
     assert counts["after"] == counts["before"], counts
     assert counts["threads"] == 2  # the thread count is given back afterwards
+
+
+def test_the_runner_computes_with_the_threads_the_engine_was_built_with(tiny_llama) -> None:
+    """``one_thread`` sets torch's process-wide count to 1 while it runs and puts back what its own thread
+    had; two weight operations overlapping on two threads can leave 1 behind. A runner whose first
+    tensor operation came after that would compute on one thread for the rest of its life."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+    engine = Engine(tiny_llama, EngineOptions(max_running=4, context_length=64))
+    try:
+        torch.set_num_threads(1)  # what overlapping one_thread sections can leave behind
+        engine.start()
+        done = threading.Event()
+        engine.submit([("a", PROMPTS[0], SamplingParams(max_new_tokens=2, ignore_eos=True))],
+                      lambda r: (seen.append(torch.get_num_threads()), done.set()))  # on the runner thread
+        assert done.wait(60)
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
+    assert seen == [2]

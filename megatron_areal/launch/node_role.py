@@ -47,9 +47,10 @@ def run_rollout(plan: Plan, node: str, cfg: Config, args: argparse.Namespace, pr
     slots = plan.servers_on(node)
     if not slots:
         raise RuntimeError(f"the plan puts no rollout server on node {node}")
+    shared = shares_cores(plan, node, cfg)
     started = [(slot, procs.start(f"server-{slot.id}", server_command(slot, cfg, cfg.model.path, reg),
                                   env_with_api_key(role_env(slot.gpus, False, threads=cfg.server.threads,
-                                                            shares_cores=shares_cores(plan, node, cfg)),
+                                                            shares_cores=shared),
                                                    cfg.server.api_key))) for slot in slots]
     if cfg.server.engine == "sglang":
         try:

@@ -66,6 +66,7 @@ class Engine:
         self.dtype = runnable_dtype(parse_dtype(opts.dtype), self.device, "dtype") if opts.dtype else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.max_len = opts.context_length_for(self.arch.max_position_embeddings)
+        self.threads = torch.get_num_threads()  # the runner's (CPU), whatever one_thread leaves behind meanwhile
         with one_thread():  # this thread keeps no OpenMP team beside the runner's (see one_thread)
             self.model = CausalLM(self.arch).to(dtype=self.dtype)
             self.model.inv_freq = rope_inv_freq(self.arch)  # rotary frequencies stay fp32 under bf16 weights
@@ -190,6 +191,7 @@ class Engine:
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels and allocations of this thread
+        torch.set_num_threads(self.threads)  # this thread's own team, not the process-wide count of the moment
         while not self._stopping:
             self._work.wait(timeout=REPROBE_S if self._broken else None)
             with self._lock.for_step():
