@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.convert import dist_ckpt
+from megatron_areal.heap import release_freed_memory
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.hf_io import HFReader
 from megatron_areal.model.weights import unwrap
@@ -220,6 +221,42 @@ def _grad_buffers_released(model: list[torch.nn.Module]) -> Iterator[None]:
             c.restore_grad_buffers(synchronize=False)
 
 
+def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous, CPU) as a tensor over the same memory whose storage is exactly its own bytes: what
+    ``torch.save`` writes of it is then the tensor, not the larger storage it may be a view of."""
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return torch.from_numpy(flat.numpy()).view(tensor.dtype).view(tensor.shape)
+
+
+@contextmanager
+def _written_in_place() -> Iterator[None]:
+    """Megatron's checkpoint writer clones every CPU tensor that is a view into a larger storage before it
+    forks its writer processes, since ``torch.save`` would write the whole storage: our weights are views of
+    the DDP parameter buffer and Megatron's SwiGLU factories cut the input projection's weight, master and
+    moments into halves, so a save copied most of the state it wrote (0.65 GiB for SmolLM2-135M). Handed
+    ``exact_storage`` aliases instead, it writes the same bytes from the tensors themselves. A save is
+    synchronous and its writers are forked, so nothing changes them while they are written."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    own = MCoreSavePlanner.__dict__.get("resolve_data")
+    resolve = MCoreSavePlanner.resolve_data
+
+    def resolve_in_place(self: Any, write_item: Any) -> Any:
+        data = resolve(self, write_item)
+        if isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.is_contiguous():
+            return exact_storage(data)
+        return data
+
+    MCoreSavePlanner.resolve_data = resolve_in_place
+    try:
+        yield
+    finally:
+        if own is None:
+            del MCoreSavePlanner.resolve_data
+        else:
+            MCoreSavePlanner.resolve_data = own
+
+
 class Checkpointer:
     """Save and resume the training state of one run under ``root`` (collective calls)."""
 
@@ -270,11 +307,16 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         self._barrier()
-        with _grad_buffers_released(model), _fp32_masters(optimizer):
-            state = self._state(model, optimizer, scheduler, is_loading=False, with_rng=True)
-            state["extra"] = extra or {}
-            state["step"] = step
-            dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
+        with _grad_buffers_released(model):
+            with _fp32_masters(optimizer), _written_in_place():
+                state = self._state(model, optimizer, scheduler, is_loading=False, with_rng=True)
+                state["extra"] = extra or {}
+                state["step"] = step
+                dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
+                del state
+            # the fp32 masters are remainders again: their memory goes back before the gradient buffers
+            # return, or the allocator keeps it beside them (+0.5 GiB for SmolLM2-135M)
+            release_freed_memory()
         self._barrier()
         if dist.get_rank() == 0:
             g = self.groups

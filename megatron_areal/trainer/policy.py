@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from megatron_areal.config import Config
+from megatron_areal.heap import release_freed_memory
 from megatron_areal.launch.control import ask_to_resume
 from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.rundir import RunDir
-from megatron_areal.trainer.memory import release_freed_memory
 
 if TYPE_CHECKING:
     from megatron_areal.actor.actor import Actor
