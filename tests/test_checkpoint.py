@@ -165,24 +165,33 @@ def test_training_checkpoint_converts_to_hf(reference, tmp_path):
             assert (logp - megatron_logprobs).abs().max().item() <= 1e-4
 
 
-def run_state_views_vs_gather(hf_dir: str) -> dict:
-    """One rank, bf16 weights: the optimizer state a save describes as views of the optimizer's own
-    tensors, against the state Megatron gathers into copies (what it saved before)."""
+def _bf16_actor_after_a_step(hf_dir: str, **optimizer):
+    """One rank, bf16 weights, stochastic rounding (and ``optimizer``'s other settings), after one PPO step."""
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
-    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.algorithm.config import PPOConfig
-    from megatron_areal.convert import dist_ckpt
-    from megatron_areal.convert.checkpoint import _OPTIMIZER_META, _param_state_as_views
     from megatron_areal.model.arch import load_arch
-    from megatron_areal.model.weights import unwrap
 
     arch = load_arch(hf_dir)
     os.environ[BF16_ANYWAY_ENV] = "1"  # the bf16 path itself, also on CPUs without native bf16 matmuls
     groups = init_parallel(tp=1, pp=1, backend="gloo", seed=1)
     actor = Actor(arch, ModelConfig(path=hf_dir, dtype="bfloat16", max_seq_len=64), ParallelConfig(),
-                  OptimizerConfig(lr=1e-3, bf16_rounding="stochastic"), PPOConfig(), groups, seed=1, total_steps=2)
+                  OptimizerConfig(lr=1e-3, bf16_rounding="stochastic", **optimizer), PPOConfig(), groups, seed=1,
+                  total_steps=2)
     actor.ppo_update(_batch(1))
+    return arch, groups, actor
+
+
+def run_state_views_vs_gather(hf_dir: str) -> dict:
+    """One rank, bf16 weights: the optimizer state a save describes as views of the optimizer's own
+    tensors, against the state Megatron gathers into copies (what it saved before)."""
+    from megatron_areal.actor.parallel import teardown_parallel
+    from megatron_areal.convert import dist_ckpt
+    from megatron_areal.convert.checkpoint import _OPTIMIZER_META, _param_state_as_views
+    from megatron_areal.model.weights import unwrap
+
+    _, _, actor = _bf16_actor_after_a_step(hf_dir)
     model_sd = dist_ckpt.model_sharded_state_dict([unwrap(c) for c in actor.model])
     out = {"dtype": str(next(actor.model[0].parameters()).dtype), "pairs": []}
     for sub in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
@@ -211,22 +220,12 @@ def test_optimizer_state_saved_as_views_equals_megatron_gather(tiny_llama):
 def run_save_copies(hf_dir: str, root: str) -> dict:
     """One rank, bf16 weights after a step: the bytes of CPU tensors cloned while a checkpoint is saved, and
     the bytes of weights and optimizer state it writes."""
-    from megatron_areal.actor.actor import Actor
-    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
-    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
-    from megatron_areal.algorithm.config import PPOConfig
+    from megatron_areal.actor.parallel import teardown_parallel
     from megatron_areal.convert.checkpoint import Checkpointer
-    from megatron_areal.model.arch import load_arch
 
-    arch = load_arch(hf_dir)
-    os.environ[BF16_ANYWAY_ENV] = "1"
-    groups = init_parallel(tp=1, pp=1, backend="gloo", seed=1)
-    actor = Actor(arch, ModelConfig(path=hf_dir, dtype="bfloat16", max_seq_len=64), ParallelConfig(),
-                  OptimizerConfig(lr=1e-3, bf16_rounding="stochastic", precision_aware=True,
-                                  main_grads_dtype="bfloat16", exp_avg_dtype="bfloat16",
-                                  exp_avg_sq_dtype="bfloat16"),
-                  PPOConfig(), groups, seed=1, total_steps=2)
-    actor.ppo_update(_batch(1))
+    arch, groups, actor = _bf16_actor_after_a_step(  # the main job's optimizer settings
+        hf_dir, precision_aware=True, main_grads_dtype="bfloat16", exp_avg_dtype="bfloat16",
+        exp_avg_sq_dtype="bfloat16")
     cloned = []
     clone = torch.Tensor.clone
 

@@ -221,7 +221,7 @@ def _grad_buffers_released(model: list[torch.nn.Module]) -> Iterator[None]:
             c.restore_grad_buffers(synchronize=False)
 
 
-def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (contiguous, CPU) as a tensor over the same memory whose storage is exactly its own bytes: what
     ``torch.save`` writes of it is then the tensor, not the larger storage it may be a view of."""
     flat = tensor.detach().reshape(-1).view(torch.uint8)
@@ -234,7 +234,7 @@ def _written_in_place() -> Iterator[None]:
     forks its writer processes, since ``torch.save`` would write the whole storage: our weights are views of
     the DDP parameter buffer and Megatron's SwiGLU factories cut the input projection's weight, master and
     moments into halves, so a save copied most of the state it wrote (0.65 GiB for SmolLM2-135M). Handed
-    ``exact_storage`` aliases instead, it writes the same bytes from the tensors themselves. A save is
+    ``_exact_storage`` aliases instead, it writes the same bytes from the tensors themselves. A save is
     synchronous and its writers are forked, so nothing changes them while they are written."""
     from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
@@ -244,7 +244,7 @@ def _written_in_place() -> Iterator[None]:
     def resolve_in_place(self: Any, write_item: Any) -> Any:
         data = resolve(self, write_item)
         if isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.is_contiguous():
-            return exact_storage(data)
+            return _exact_storage(data)
         return data
 
     MCoreSavePlanner.resolve_data = resolve_in_place
@@ -314,8 +314,8 @@ class Checkpointer:
                 state["step"] = step
                 dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
                 del state
-            # the fp32 masters are remainders again: their memory goes back before the gradient buffers
-            # return, or the allocator keeps it beside them (+0.5 GiB for SmolLM2-135M)
+            # the fp32 masters are remainders again (``del state``: it referenced them too): their memory goes
+            # back before the gradient buffers return, or the allocator keeps it beside them (+0.5 GiB for SmolLM2-135M)
             release_freed_memory()
         self._barrier()
         if dist.get_rank() == 0:
