@@ -115,8 +115,14 @@ def cpu_thread_env(threads: int, env: dict[str, str] | None = None, *, shares_co
 
 
 def shares_cores(plan: Plan, node: str, cfg: Config) -> bool:
-    """Whether the CPU roles on ``node`` ask for more threads than this machine has cores."""
-    return plan.cpu_threads_on(node, cfg.server.threads, cfg.cluster.cpu_threads) > usable_cores()
+    """Whether the CPU roles on ``node`` that compute at the same time ask for more threads than this
+    machine has cores: all of them where generation overlaps training, but a synchronous run
+    (``staleness.overlap: false``) generates and trains in turn, so its servers and its trainer each
+    have the cores to themselves."""
+    servers = plan.cpu_threads_on(node, cfg.server.threads, 0)
+    trainer = plan.cpu_threads_on(node, 0, cfg.cluster.cpu_threads)
+    at_once = servers + trainer if cfg.staleness.overlap else max(servers, trainer)
+    return at_once > usable_cores()
 
 
 def usable_cores() -> int:
@@ -128,8 +134,8 @@ def role_env(gpus: tuple[int, ...], single_rank: bool, master: tuple[str, int] |
              threads: int | None = None, allocator: str = "glibc", shares_cores: bool = True) -> dict[str, str]:
     """Environment of a role. ``threads`` pins torch's CPU threads of a CPU role, so that servers
     and trainer ranks sharing a machine divide its cores instead of oversubscribing them
-    (``shares_cores``: whether the node's CPU roles together ask for more threads than it has cores,
-    ``Plan.cpu_threads_on``); ``allocator`` (``cluster.cpu_allocator``) may preload mimalloc into a
+    (``shares_cores``: whether the node's CPU roles that compute at the same time ask for more threads
+    than it has cores); ``allocator`` (``cluster.cpu_allocator``) may preload mimalloc into a
     CPU role (launch/allocator.py)."""
     env = dict(os.environ) if gpus else with_allocator(dict(os.environ), allocator)
     devices = visible_devices(gpus, env)
