@@ -48,16 +48,15 @@ fraction (time the server had no request), step-time weighted.
 Prints every ratio as an ordinary line; last line: ``RESULT async_vs_sync <ratio>`` (trained
 tokens/s, ``async`` over the faster synchronous arm).
 
-Measured once with the defaults (20 steps, 3 repeats, 640 trained samples per run), 2 cores
-shared with other people's jobs (load average 2.8-11.6 at the runs' starts and ends), so the figures are
-indicative only. Trained tokens/s over the three repeats: ``sync-1t`` 729.7, ``sync-2t`` 425.2,
-``async`` 1061.5; async / sync-2t 2.50, async / sync-1t 1.45 (the RESULT: ``sync-1t`` was the
-faster synchronous arm). ``sync-2t`` was the slowest arm in every repeat (0.75, 0.19 and 0.85 of
-``sync-1t``), in generation and in training: on this loaded machine giving both cores to each
-phase did not help the synchronous run. Why two threads lost (load from others, or a model too small for two threads, or
-both) was not measured. On a quiet machine (``--repeats 1``, load 0.4-1.5, at 9c87e31) the ranking
-turned: ``sync-1t`` 1618.8, ``sync-2t`` 1698.0, ``async`` 2541.5 trained tokens/s; RESULT 1.50
-against ``sync-2t`` (async / sync-1t 1.57).
+Measured with the defaults (20 steps, 3 repeats interleaved, 640 trained samples per run) on a quiet
+2-core AMD EPYC (Zen 4), at 167b1ea: trained tokens/s ``sync-1t`` 2116.8, ``sync-2t`` 1966.6, ``async``
+2823.3; async / sync-1t 1.33 (the RESULT; per repeat 1.26-1.44), async / sync-2t 1.44. Two threads per
+role do not speed this tiny model's decode steps (``sync-2t`` / ``sync-1t`` 0.86-1.07 per repeat).
+Before 167b1ea the launcher made a synchronous run's roles sleep at every OpenMP barrier whenever their
+threads together outnumbered the cores, though they take turns: ``sync-2t`` then ran at 0.36-0.46x
+``sync-1t`` (742 against 1857 trained tokens/s in one repeat here before the fix). ``sync-1t`` was not
+affected and was the RESULT's arm then too; the RESULT moves with the machine's state (1.52 in that
+repeat, 1.68 over 3 repeats in an earlier session).
 """
 from __future__ import annotations
 
