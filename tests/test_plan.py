@@ -249,16 +249,21 @@ def test_cpu_roles_sleep_at_openmp_barriers_unless_the_user_says_otherwise(monke
     assert role_env((), False, threads=2)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+def _one_cpu_node(overrides: list[str]):
+    """The main job's config with ``overrides``, and its plan on one CPU node ``n0``."""
+    from megatron_areal.launch.plan import Node, make_plan
+
+    cfg = load_config(ROOT / "configs/smollm2_arith.yaml", overrides)
+    return cfg, make_plan([Node("n0", "127.0.0.1")], 0, cfg.cluster, cfg.server, 1, 1)
+
+
 def test_cpu_roles_with_cores_of_their_own_keep_openmps_spinning(monkeypatch):
     """Sleeping at every barrier costs a decode step hundreds of wake-ups: only roles that share cores sleep."""
     from megatron_areal.launch.commands import role_env, shares_cores
-    from megatron_areal.launch.plan import Node, make_plan
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert "OMP_WAIT_POLICY" not in role_env((), False, threads=2, shares_cores=False)
-    cfg = load_config(ROOT / "configs/smollm2_arith.yaml",
-                      ["server.count=2", "server.threads=1", "cluster.cpu_threads=1"])
-    plan = make_plan([Node("n0", "127.0.0.1")], 0, cfg.cluster, cfg.server, 1, 1)
+    cfg, plan = _one_cpu_node(["server.count=2", "server.threads=1", "cluster.cpu_threads=1"])
     assert plan.cpu_threads_on("n0", server_threads=1, trainer_threads=1) == 3
     assert plan.cpu_threads_on("n0", server_threads=2, trainer_threads=3) == 7
     monkeypatch.setattr("megatron_areal.launch.commands.usable_cores", lambda: 2)
@@ -267,27 +272,22 @@ def test_cpu_roles_with_cores_of_their_own_keep_openmps_spinning(monkeypatch):
     assert not shares_cores(plan, "n0", cfg)
 
 
-
 def test_synchronous_roles_take_turns_on_the_cores_and_keep_openmps_spinning(monkeypatch):
     """A synchronous run (``staleness.overlap: false``) generates, then trains: its servers and its trainer
     never compute at the same time, so two threads each on two cores do not share them. Sleeping at every
     barrier made such a run's 2-thread server decode 2.5x slower than 1 thread (bench/async_vs_sync.py)."""
     from megatron_areal.launch.commands import shares_cores
-    from megatron_areal.launch.plan import Node, make_plan
 
     monkeypatch.setattr("megatron_areal.launch.commands.usable_cores", lambda: 2)
     for overlap, eta, shared in ((True, 4, True), (False, 0, False)):
-        cfg = load_config(ROOT / "configs/smollm2_arith.yaml",
-                          ["server.count=1", "server.threads=2", "cluster.cpu_threads=2",
-                           f"staleness.overlap={str(overlap).lower()}", f"staleness.eta={eta}"])
-        plan = make_plan([Node("n0", "127.0.0.1")], 0, cfg.cluster, cfg.server, 1, 1)
+        cfg, plan = _one_cpu_node(["server.count=1", "server.threads=2", "cluster.cpu_threads=2",
+                                   f"staleness.overlap={str(overlap).lower()}", f"staleness.eta={eta}"])
         assert shares_cores(plan, "n0", cfg) is shared, (overlap, eta)
     # Servers still generate together: two 2-thread servers share two cores, synchronous or not.
-    cfg = load_config(ROOT / "configs/smollm2_arith.yaml",
-                      ["server.count=2", "server.threads=2", "cluster.cpu_threads=1",
-                       "staleness.overlap=false", "staleness.eta=0"])
-    plan = make_plan([Node("n0", "127.0.0.1")], 0, cfg.cluster, cfg.server, 1, 1)
+    cfg, plan = _one_cpu_node(["server.count=2", "server.threads=2", "cluster.cpu_threads=1",
+                               "staleness.overlap=false", "staleness.eta=0"])
     assert shares_cores(plan, "n0", cfg)
+
 
 # ---- Transformer Engine: required on GPUs unless the config opts out; sequence parallelism needs it
 
