@@ -17,7 +17,7 @@ With the main job's precision-aware optimizer (bf16 gradients and moments, maste
 768-token micro-batches, at 2905101 (fresh clone, quiet, 4 steps and a save): step peaks 2.45-2.51 GiB,
 the save 2.57 GiB, 1.85 GiB between steps. Loading the checkpoint back peaked at 4.87 GiB while Megatron read
 the optimizer state into new fp32 whole-model tensors (and the optimizer reallocated its own); loading
-into the optimizer's own tensors instead (convert/checkpoint.py), 2.71 GiB.
+into the optimizer's own tensors instead (checkpoint/training.py), 2.71 GiB.
 After each step and save the bench releases freed heap memory as the trainer does (megatron_areal/heap.py)
 unless ``--glibc-defaults``. No rollout servers: the weight push is not measured,
 nor rank 0's rollout controller and reward pool.
@@ -171,8 +171,8 @@ def main() -> None:
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.assets import resolve_model
+    from megatron_areal.checkpoint.training import Checkpointer
     from megatron_areal.config import load_config
-    from megatron_areal.convert.checkpoint import Checkpointer
     from megatron_areal.data.tasks import load_datasets
     from megatron_areal.heap import release_freed_memory
     from megatron_areal.model.arch import load_arch

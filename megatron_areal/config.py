@@ -11,8 +11,8 @@ from pathlib import Path
 
 from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_areal.algorithm.config import PPOConfig
+from megatron_areal.checkpoint.config import CheckpointConfig
 from megatron_areal.configbase import ConfigError, apply_overrides, from_dict, load_yaml, require, to_dict
-from megatron_areal.convert.config import CheckpointConfig
 from megatron_areal.data.config import DataConfig
 from megatron_areal.launch.config import ClusterConfig
 from megatron_areal.realloc.config import ReallocConfig

@@ -9,7 +9,7 @@ Layout, with the module that writes each entry::
                                              {rollout,trainer}-<node>.log of the node agents
       control/           RunDir.control      requests to the trainer: checkpoint, hold, and its answers
                                              saved, held (launch/control.py)
-      checkpoints/       RunDir.checkpoints  step_<N>/ (convert/checkpoint.py); ``checkpoint.dir`` moves it
+      checkpoints/       RunDir.checkpoints  step_<N>/ (checkpoint/training.py); ``checkpoint.dir`` moves it
       metrics.jsonl      RunDir.metrics      one line of scalars per step (metrics.py)
       eval.jsonl         RunDir.evals        held-out accuracy per evaluation (metrics.py)
       trained.jsonl      RunDir.trained      which prompts each step trained, with staleness (ledger.py)

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
+from megatron_areal.checkpoint.training import latest_checkpoint, list_checkpoints
 from megatron_areal.compute_dtype import BF16_ANYWAY_ENV
-from megatron_areal.convert.checkpoint import latest_checkpoint, list_checkpoints
 from megatron_areal.convert.spawn import WorkerPool
 
 EVAL = [[3, 17, 40, 41, 42, 90, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 2]]
@@ -51,7 +51,7 @@ def _actor(hf_dir: str, tp: int, pp: int, seed: int):
 
 def run_uninterrupted(hf_dir: str, root: str) -> dict:
     from megatron_areal.actor.parallel import teardown_parallel
-    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.checkpoint.training import Checkpointer
     from megatron_areal.model.weights import load_hf_weights
 
     arch, groups, actor = _actor(hf_dir, 2, 2, seed=1)
@@ -70,7 +70,7 @@ def run_uninterrupted(hf_dir: str, root: str) -> dict:
 
 def run_resumed(hf_dir: str, root: str, tp: int, pp: int, load_optimizer: bool = True) -> dict:
     from megatron_areal.actor.parallel import teardown_parallel
-    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.checkpoint.training import Checkpointer
 
     arch, groups, actor = _actor(hf_dir, tp, pp, seed=5)  # other random weights: all must come from the file
     ckpt = Checkpointer(root, arch, groups, keep=2)
@@ -86,7 +86,7 @@ def run_resumed(hf_dir: str, root: str, tp: int, pp: int, load_optimizer: bool =
 
 def run_keep_latest(hf_dir: str, root: str) -> list[str]:
     from megatron_areal.actor.parallel import teardown_parallel
-    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.checkpoint.training import Checkpointer
 
     arch, groups, actor = _actor(hf_dir, 1, 2, seed=1)
     ckpt = Checkpointer(root, arch, groups, keep=2)
@@ -187,8 +187,8 @@ def run_state_views_vs_gather(hf_dir: str) -> dict:
     """One rank, bf16 weights: the optimizer state a save describes as views of the optimizer's own
     tensors, against the state Megatron gathers into copies (what it saved before)."""
     from megatron_areal.actor.parallel import teardown_parallel
-    from megatron_areal.convert import dist_ckpt
-    from megatron_areal.convert.checkpoint import _OPTIMIZER_META, _param_state_as_views
+    from megatron_areal.checkpoint import dist_ckpt
+    from megatron_areal.checkpoint.training import _OPTIMIZER_META, _param_state_as_views
     from megatron_areal.model.weights import unwrap
 
     _, _, actor = _bf16_actor_after_a_step(hf_dir)
@@ -221,7 +221,7 @@ def run_save_copies(hf_dir: str, root: str) -> dict:
     """One rank, bf16 weights after a step: the bytes of CPU tensors cloned while a checkpoint is saved, and
     the bytes of weights and optimizer state it writes."""
     from megatron_areal.actor.parallel import teardown_parallel
-    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.checkpoint.training import Checkpointer
 
     arch, groups, actor = _bf16_actor_after_a_step(  # the main job's optimizer settings
         hf_dir, precision_aware=True, main_grads_dtype="bfloat16", exp_avg_dtype="bfloat16",

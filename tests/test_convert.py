@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_areal.checkpoint.dist_ckpt import CheckpointMismatchError, CheckpointReadError
 from megatron_areal.convert.convert import hf_to_mcore, mcore_to_hf
-from megatron_areal.convert.dist_ckpt import CheckpointMismatchError, CheckpointReadError
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import UnsupportedModelError, load_arch
 from megatron_areal.model.hf_io import HFFormatError

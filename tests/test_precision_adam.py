@@ -142,7 +142,7 @@ def case_precision_aware(rounding: str, tmp: str) -> dict:
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.algorithm.config import PPOConfig
-    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.checkpoint.training import Checkpointer
 
     os.environ[BF16_ANYWAY_ENV] = "1"  # the bf16 path itself, also on CPUs without native bf16 matmuls
     groups = init_parallel(1, 1, seed=3, backend="gloo")
@@ -213,7 +213,7 @@ def case_precision_aware(rounding: str, tmp: str) -> dict:
     # the reference: Megatron's own load of the same checkpoint (its fp32 whole-model tensors, then copies)
     from contextlib import nullcontext
 
-    from megatron_areal.convert import checkpoint as checkpoint_module
+    from megatron_areal.checkpoint import training as checkpoint_module
     upstream, as_views = actor(True, seed=7), checkpoint_module._state_as_views
     checkpoint_module._state_as_views = lambda optimizer: nullcontext()
     try:
@@ -253,7 +253,7 @@ def case_fp32_weights(tmp: str) -> dict:
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.algorithm.config import PPOConfig
-    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.checkpoint.training import Checkpointer
 
     groups = init_parallel(1, 1, seed=3, backend="gloo")
 
@@ -295,7 +295,7 @@ def case_data_parallel(root: str, save: bool) -> dict:
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.algorithm.config import PPOConfig
-    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.checkpoint.training import Checkpointer
 
     os.environ[BF16_ANYWAY_ENV] = "1"  # the bf16 path itself, also on CPUs without native bf16 matmuls
     groups = init_parallel(1, 1, seed=3, backend="gloo")

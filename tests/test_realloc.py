@@ -74,7 +74,7 @@ def _w_step(step: int) -> None:
 def _w_save(ckpt_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatron_areal.convert import dist_ckpt
+    from megatron_areal.checkpoint import dist_ckpt
 
     dist_ckpt.save_model(_STATE["chunks"], ckpt_dir)
     if dist.get_rank() == 0:

@@ -76,7 +76,7 @@ def _w_sync(version: str) -> dict[str, Any]:
 def _w_save(ckpt_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatron_areal.convert import dist_ckpt
+    from megatron_areal.checkpoint import dist_ckpt
 
     g = _STATE["groups"]
     dist_ckpt.save_model(_STATE["chunks"], ckpt_dir)

@@ -117,7 +117,7 @@ def saved_state(run_dir: Path) -> tuple[int, dict]:
     """The newest finished checkpoint's step and its rollout state (stream position, buffer, in flight)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_areal.convert.checkpoint import latest_checkpoint
+    from megatron_areal.checkpoint.training import latest_checkpoint
 
     path = latest_checkpoint(run_dir / "checkpoints")
     assert path is not None, "no finished checkpoint although two steps were trained"

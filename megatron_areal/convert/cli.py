@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from megatron_areal.checkpoint.dist_ckpt import CheckpointMismatchError, CheckpointReadError
 from megatron_areal.convert.convert import LayoutError, hf_to_mcore, mcore_to_hf
-from megatron_areal.convert.dist_ckpt import CheckpointMismatchError, CheckpointReadError
 from megatron_areal.model.arch import UnsupportedModelError
 from megatron_areal.model.hf_io import HFFormatError
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_areal.convert import dist_ckpt
+from megatron_areal.checkpoint import dist_ckpt
+from megatron_areal.convert.hf_tensors import local_process_group, read_hf_tensors
 from megatron_areal.convert.spawn import WorkerPool
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import load_arch
@@ -83,8 +84,8 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | 
     arch = dist_ckpt.hf_arch_from_ckpt(ckpt_dir)
     dist_ckpt.check_same_model(ckpt_dir, arch)
     dtype = dtype or getattr(torch, meta["hf_dtype"])
-    with atomic_dir(out_dir) as tmp, dist_ckpt.local_process_group():
-        tensors = ((n, t.to(dtype)) for n, t in dist_ckpt.read_hf_tensors(ckpt_dir, arch))
+    with atomic_dir(out_dir) as tmp, local_process_group():
+        tensors = ((n, t.to(dtype)) for n, t in read_hf_tensors(ckpt_dir, arch))
         write_hf_weights(tmp, _checked(arch, tensors))
         if (ckpt_dir / dist_ckpt.HF_FILES).is_dir():
             copy_non_weights(ckpt_dir / dist_ckpt.HF_FILES, tmp)

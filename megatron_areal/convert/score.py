@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_areal.convert import dist_ckpt
+from megatron_areal.checkpoint import dist_ckpt
 from megatron_areal.convert.cli import INPUT_ERRORS
 from megatron_areal.convert.spawn import WorkerPool
 from megatron_areal.model.arch import ModelArch, load_arch

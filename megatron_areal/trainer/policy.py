@@ -24,7 +24,7 @@ from megatron_areal.rundir import RunDir
 
 if TYPE_CHECKING:
     from megatron_areal.actor.actor import Actor
-    from megatron_areal.convert.checkpoint import Checkpointer
+    from megatron_areal.checkpoint.training import Checkpointer
     from megatron_areal.realloc.sync import SyncResult, WeightSync
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Policy:
         from megatron_areal.actor.actor import Actor
         from megatron_areal.actor.parallel import init_parallel
         from megatron_areal.assets import resolve_model
-        from megatron_areal.convert.checkpoint import Checkpointer
+        from megatron_areal.checkpoint.training import Checkpointer
         from megatron_areal.model.arch import load_arch
         from megatron_areal.model.weights import load_hf_weights
         from megatron_areal.realloc.sync import WeightSync

@@ -1,4 +1,4 @@
-"""Settings of training checkpoints (see ``megatron_areal.convert.checkpoint``)."""
+"""Settings of training checkpoints (see ``megatron_areal.checkpoint.training``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

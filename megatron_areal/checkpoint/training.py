@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.actor.parallel import ParallelGroups
-from megatron_areal.convert import dist_ckpt
+from megatron_areal.checkpoint import dist_ckpt
 from megatron_areal.heap import release_freed_memory
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.hf_io import HFReader
