@@ -46,7 +46,7 @@ class ServerConfig:
     launcher gives each embedded server the run's seed (``train.seed``), dtype (``model.dtype``) and
     device (the plan's), so they are not set here."""
 
-    engine: Literal["embedded", "sglang"] = "embedded"
+    engine: Literal["embedded", "sglang", "vllm"] = "embedded"
     count: int = 1  # rollout servers
     tp: int = 1  # tensor-parallel size of each server
     host: str = "127.0.0.1"
@@ -63,12 +63,15 @@ class ServerConfig:
     max_restarts: int = 3
     restart_backoff_s: float = 2.0
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
+    # the Python that runs SGLang or vLLM servers (another environment, e.g. scripts/install_vllm.sh's
+    # .venv-vllm/bin/python); None: this one
+    python: str | None = None
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.count >= 1, "count", "must be >= 1")
         require(self.tp >= 1, "tp", "must be >= 1")
-        require(self.engine == "sglang" or self.tp == 1, "tp", "the embedded server runs tp=1 only")
+        require(self.engine != "embedded" or self.tp == 1, "tp", "the embedded server runs tp=1 only")
         require(self.max_running >= 1, "max_running", "must be >= 1")
         require(self.max_queue >= 1, "max_queue", "must be >= 1")
         require(self.context_length is None or self.context_length >= 2, "context_length", "must be >= 2")
