@@ -28,6 +28,9 @@ def check_trajectories(trajectories: Sequence[Trajectory], max_seq_len: int) -> 
         if len(t.output_logprobs) != len(t.output_ids):
             raise ValueError(f"trajectory {i}: {len(t.output_logprobs)} output_logprobs for "
                              f"{len(t.output_ids)} output tokens")
+        if t.output_mask and len(t.output_mask) != len(t.output_ids):
+            raise ValueError(f"trajectory {i}: {len(t.output_mask)} output_mask entries for "
+                             f"{len(t.output_ids)} output tokens")
         n = len(t.prompt_ids) + len(t.output_ids)
         if n > max_seq_len:
             raise ValueError(f"trajectory {i}: {n} tokens, more than model.max_seq_len={max_seq_len}")

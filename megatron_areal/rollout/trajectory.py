@@ -21,7 +21,13 @@ from typing import Any
 @dataclass(kw_only=True)
 class Trajectory:
     """One sample: its prompt and output tokens, the behaviour logprob and weight version of each output token,
-    the version it started at, its group and prompt, and its reward."""
+    the version it started at, its group and prompt, and its reward.
+
+    A multi-turn episode (``megatron_areal/agent``) is one trajectory whose output holds every turn after
+    the first prompt: the policy's replies and, between them, the tokens the environment added (tool
+    results, the next user message, the chat template's headers). ``output_mask`` marks which output
+    tokens the policy generated (1, trained) and which came from the environment (0: their logprob is 0
+    and their version that of the reply before them). Empty means every output token is the policy's."""
 
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
@@ -36,6 +42,12 @@ class Trajectory:
     finish_reason: str = ""  # stop | length | abort
     interruptions: int = 0  # times generation was paused and resumed under newer weights
     routed_experts: bytes | None = None  # see the module docstring
+    output_mask: list[int] = field(default_factory=list)  # per output token: 1 policy, 0 environment
+
+    @property
+    def policy_mask(self) -> list[int]:
+        """Per output token: 1 where the policy generated it (``output_mask``, or all when it is empty)."""
+        return list(self.output_mask) if self.output_mask else [1] * len(self.output_ids)
 
     @property
     def input_ids(self) -> list[int]:
@@ -44,8 +56,8 @@ class Trajectory:
 
     @property
     def loss_mask(self) -> list[int]:
-        """Per-position mask over the L - 1 next-token predictions: 1 on output tokens."""
-        return [0] * (len(self.prompt_ids) - 1) + [1] * len(self.output_ids)
+        """Per-position mask over the L - 1 next-token predictions: 1 on the policy's output tokens."""
+        return [0] * (len(self.prompt_ids) - 1) + self.policy_mask
 
     @property
     def behavior_logprobs(self) -> list[float]:
