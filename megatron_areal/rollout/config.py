@@ -25,6 +25,12 @@ class RolloutConfig:
     # trajectory (``Trajectory.routed_experts``), for routing replay in the trainer. SGLang servers
     # must run with --enable-return-routed-experts.
     return_routed_experts: bool = False
+    # Agent episodes (docs/agents.md): ``package.module:run_episode`` turns every sample into an episode of
+    # completions its agent asks for through an OpenAI-compatible endpoint; "" means one completion per sample.
+    workflow: str = ""
+    max_turns: int = 8  # completions per episode
+    max_episode_tokens: int = 1024  # one episode sequence (prompt, replies, tool results); <= model.max_seq_len
+    episode_timeout_s: float = 600.0  # past it the episode ends with reward 0
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
@@ -36,6 +42,10 @@ class RolloutConfig:
         require(self.max_concurrent >= 1, "max_concurrent", "must be >= 1")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         require(self.health_interval_s > 0, "health_interval_s", "must be > 0")
+        require(not self.workflow or ":" in self.workflow, "workflow", "must be 'package.module:function'")
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        require(self.max_episode_tokens >= 2, "max_episode_tokens", "must be >= 2")
+        require(self.episode_timeout_s > 0, "episode_timeout_s", "must be > 0")
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.rollout.loop import RolloutError, RolloutLoop
-from megatron_areal.rollout.sources import PromptLike, PromptSourceLike, ScorerLike
+from megatron_areal.rollout.sources import EpisodesLike, PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate
 from megatron_areal.rollout.trajectory import Trajectory
 
@@ -44,12 +44,13 @@ class RolloutController:
     def __init__(self, rollout: RolloutConfig, staleness: StalenessConfig, servers: Fleet | list[str],
                  prompts: PromptSourceLike, encode: Callable[[PromptLike], list[int]],
                  decode: Callable[[list[int]], str], scorer: ScorerLike, *, api_key: str | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, episodes: EpisodesLike | None = None) -> None:
         if not staleness.overlap and staleness.eta != 0:
             raise ValueError("staleness.overlap = false (synchronous mode) requires staleness.eta = 0")
         if not (servers.urls if isinstance(servers, Fleet) else servers):
             raise ValueError("RolloutController: no rollout server URLs given")
-        self._core = RolloutLoop(rollout, staleness.eta, prompts, encode, decode, scorer, version=version)
+        self._core = RolloutLoop(rollout, staleness.eta, prompts, encode, decode, scorer, version=version,
+                                 episodes=episodes)
         self._servers, self._api_key = servers, api_key
         self._fleet: Fleet | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -26,7 +26,7 @@ from megatron_areal.rollout.config import RolloutConfig
 from megatron_areal.rollout.metrics import ThroughputWindow, batch_stats
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser, generate_sample
 from megatron_areal.rollout.routing import ServerPool, ServerSlot
-from megatron_areal.rollout.sources import PromptLike, PromptSourceLike, ScorerLike
+from megatron_areal.rollout.sources import EpisodesLike, PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.rollout.wakeup import Signal
@@ -45,9 +45,10 @@ class RolloutLoop:
 
     def __init__(self, cfg: RolloutConfig, eta: int, prompts: PromptSourceLike,
                  encode: Callable[[PromptLike], list[int]], decode: Callable[[list[int]], str],
-                 scorer: ScorerLike, *, version: int = 0) -> None:
+                 scorer: ScorerLike, *, version: int = 0, episodes: EpisodesLike | None = None) -> None:
         self.cfg, self.eta = cfg, eta
         self.prompts, self.encode, self.decode, self.scorer = prompts, encode, decode, scorer
+        self.episodes = episodes  # agent episodes (rollout.workflow) instead of single completions
         self.version = version
         self.gate = StalenessGate(eta, cfg.batch_size, cfg.max_concurrent, version)
         self.buffer = ReplayBuffer(eta, cfg.filter_equal_rewards)
@@ -84,6 +85,8 @@ class RolloutLoop:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.episodes is not None:
+            await self.episodes.close()
         if self.pool is not None:
             # Our requests are gone; stop the servers from finishing them for nobody.
             await asyncio.gather(*(s.client.abort_all() for s in self.pool.healthy()), return_exceptions=True)
@@ -132,6 +135,8 @@ class RolloutLoop:
         self._finish(gid, group)
 
     async def _generate_group(self, gid: int, prompt: PromptLike, version: int) -> Group:
+        if self.episodes is not None:
+            return await self._generate_episodes(gid, prompt, version)
         prompt_ids = self.encode(prompt)
         sampling = {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": self.cfg.top_k}
         async with asyncio.TaskGroup() as tg:
@@ -147,6 +152,21 @@ class RolloutLoop:
             traj.reward = float(result.reward)
             if result.status != "ok":
                 self.counters["reward_failures"] += 1
+        return Group(group_id=gid, prompt_index=prompt.index, trajectories=trajectories)
+
+    async def _generate_episodes(self, gid: int, prompt: PromptLike, version: int) -> Group:
+        """``group_size`` agent episodes of ``prompt``: each of their completions is generated like a sample
+        (routed, interruptible, per-token versions); the agents score the episodes themselves."""
+        sampling = {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": self.cfg.top_k}
+
+        async def generate(prompt_ids: list[int], max_new_tokens: int, key: str) -> SampleOutput:
+            return await generate_sample(
+                self.pool, prompt_ids, sampling, max_new_tokens, f"{self._run_id}-{gid}-{key}", self._running.wait,
+                self._parse_version, is_paused=lambda: not self._running.is_set(), on_tokens=self._window.add_tokens)
+
+        trajectories = await self.episodes.run_group(gid, prompt, version, generate, self.cfg.group_size)
+        if not trajectories:
+            raise SampleError(f"no episode of group {gid} generated a token")
         return Group(group_id=gid, prompt_index=prompt.index, trajectories=trajectories)
 
     def _trajectory(self, gid: int, prompt: PromptLike, prompt_ids: list[int], s: SampleOutput,
@@ -302,6 +322,8 @@ class RolloutLoop:
             "rollout/servers_dropped": float(self.pool.removed),
         })
         stats.update(self._window.roll(self.pool.busy_seconds(), len(self.pool.slots)))
+        if self.episodes is not None:
+            stats.update(self.episodes.metrics())
         return stats
 
     # ----- checkpoint

@@ -46,3 +46,18 @@ class ScorerLike(Protocol):
 
     async def score(self, task: str, response_text: str, answer: Any) -> RewardLike:
         """Score one reply of ``task`` against ``answer``."""
+
+
+class EpisodesLike(Protocol):
+    """Agent episodes (``megatron_areal/agent/runner.py``) as the rollout loop uses them: a group's episodes
+    run through the loop's ``generate(prompt_ids, max_new_tokens, key) -> SampleOutput``."""
+
+    async def run_group(self, gid: int, prompt: PromptLike, version: int, generate: Any,
+                        group_size: int) -> list[Any]:
+        """The group's trajectories (``Trajectory``), scored by the agents."""
+
+    def metrics(self) -> dict[str, float]:
+        """Episode figures since the last call."""
+
+    async def close(self) -> None:
+        """Stop serving the agents."""
