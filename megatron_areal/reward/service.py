@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from megatron_areal import timeline
 from megatron_areal.reward.builtin import default_registry
 from megatron_areal.reward.config import RewardConfig
 from megatron_areal.reward.registry import VerifierRegistry
@@ -80,6 +81,7 @@ class RewardService:
         worker = self._idle.get()
         try:
             result = worker.run((task, response_text, answer), self.config.timeout_s)
+            timeline.record(worker.name, "scoring", result.elapsed_s)
             self._record(result)
             if result.status != "ok":
                 logger.warning("reward %s for task '%s': %s", result.status, task, result.detail)

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from megatron_areal import timeline
 from megatron_areal.rollout.buffer import Group, PutResult, ReplayBuffer
 from megatron_areal.rollout.client import ServerError
 from megatron_areal.rollout.config import RolloutConfig
@@ -107,6 +108,7 @@ class RolloutLoop:
 
     async def _submit_loop(self) -> None:
         while True:
+            timeline.set_state(timeline.ROLLOUT_LOOP, self._waiting_for())
             await self._running.wait()
             if self._exhausted or self.gate.capacity() < 1:
                 await self._changed.wait()
@@ -123,6 +125,17 @@ class RolloutLoop:
             gid, self._next_gid = self._next_gid, self._next_gid + 1
             self._inflight[gid] = prompt
             self._spawn(self._run_group(gid, prompt, self.version), f"group-{gid}")
+
+    def _waiting_for(self) -> str:
+        """What submission waits for next (the run's timeline): nothing, a pause, the staleness gate or the
+        concurrency limit, or no more prompts."""
+        if not self._running.is_set():
+            return "paused"
+        if self._exhausted:
+            return "prompts exhausted"
+        if self.gate.capacity() >= 1:
+            return "submitting"
+        return "at concurrency limit" if self.gate.counts().running >= self.cfg.max_concurrent else "at staleness gate"
 
     async def _run_group(self, gid: int, prompt: PromptLike, version: int) -> None:
         group = None
@@ -271,6 +284,7 @@ class RolloutLoop:
         """Stop submitting; with ``pause_servers`` also pause every healthy server (a server that fails to
         pause is marked down)."""
         self._running.clear()
+        timeline.set_state(timeline.ROLLOUT_LOOP, "paused")
         if not pause_servers:  # the weight mover pauses them itself
             return
         slots = self.pool.healthy()

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from megatron_areal import timeline
 from megatron_areal.rollout.client import RolloutClient
 from megatron_areal.rollout.wakeup import Signal
 
@@ -80,6 +81,7 @@ class ServerPool:
         """Count a request sent to ``slot`` (its busy time starts with the first)."""
         if slot.inflight == 0:
             slot.busy_since = self._clock()
+        timeline.enter(timeline.server_role(slot.url), "generating")
         slot.inflight += 1
         slot.requests += 1
 
@@ -88,6 +90,7 @@ class ServerPool:
         if slot.inflight <= 0:
             raise RuntimeError(f"{slot.url}: request finished that was never started")
         slot.inflight -= 1
+        timeline.leave(timeline.server_role(slot.url), "generating")
         if slot.inflight == 0 and slot.busy_since is not None:
             slot.busy_s += self._clock() - slot.busy_since
             slot.busy_since = None
