@@ -1,25 +1,34 @@
 """The baseline a user would write: a plain synchronous GRPO loop on transformers, about 100 lines.
 
-Each step samples ``batch`` training prompts, generates ``group`` answers per prompt with
+By default it takes the main job's own settings from its config (``--config``, default
+``configs/smollm2_arith.yaml``): learning rate, prompts and samples per step, temperature, response
+length, steps, gradient clip, PPO clip, seeds, training prompts in the main job's order
+(``data.stream.PromptStream``) and held-out set; ``--lr`` / ``--batch`` / ... override one of them.
+
+Each step takes the next ``batch`` training prompts, generates ``group`` answers per prompt with
 ``model.generate`` (temperature ``temperature``), scores them with the same verifier as the main
 job, normalises rewards within each group (groups whose rewards are all equal carry no signal and
 are skipped), and takes one token-level PPO-clip step (one update per batch, so the ratio is 1 and
 the clip never binds) with AdamW and gradient clipping. Held-out accuracy is greedy decoding of the
 main job's 200 fixed problems with the main job's chat template and answer check.
 
-Used by ``bench/time_to_accuracy.py``; runs alone too:
+Held-out accuracy is measured before the first step and after the last (and every ``--eval-every``
+steps). ``--out FILE`` writes the evaluation points, the settings and the whole command's wall time
+as JSON. Used by ``bench/time_to_accuracy.py``; runs alone too:
 
-    python bench/plain_grpo.py --budget-s 600 --eval-every 4 --out plain.jsonl
+    python bench/plain_grpo.py [--config configs/smollm2_arith.yaml] [--steps 20] --out plain.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
+import logging
 import time
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def load(model_name: str, threads: int):
@@ -81,7 +90,7 @@ def response_mask(out: torch.Tensor, width: int, eos: int) -> torch.Tensor:
 
 
 def grpo_step(model, optimizer, out: torch.Tensor, prompt_mask: torch.Tensor, rewards: torch.Tensor, group: int,
-              eos: int, eps_clip: float = 0.2) -> int:
+              eos: int, eps_clip: float = 0.2, clip_grad: float = 1.0) -> int:
     """One token-level PPO-clip update on the groups whose rewards differ; returns the trained samples."""
     r = rewards.view(-1, group)
     keep = (r.max(1).values > r.min(1).values).repeat_interleave(group)
@@ -101,22 +110,23 @@ def grpo_step(model, optimizer, out: torch.Tensor, prompt_mask: torch.Tensor, re
     loss = (loss_tok * mask).sum() / mask.sum()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     optimizer.step()
     return int(keep.sum())
 
 
-def run(args: argparse.Namespace, log=print) -> list[dict]:
-    """Train until ``budget_s`` seconds of training (evaluations excluded); accuracy at step 0, every
-    ``eval_every`` steps and at the end. Returns the evaluation points."""
-    from megatron_areal.data.arithmetic import arithmetic_eval, arithmetic_train
+def run(args: argparse.Namespace, log=logger.info) -> list[dict]:
+    """``args.steps`` GRPO steps; held-out accuracy at step 0, every ``eval_every`` steps and at the end.
+    Returns the evaluation points (``train_s``: seconds of training steps before it, evaluations excluded)."""
+    from megatron_areal.data.stream import PromptStream
+    from megatron_areal.data.tasks import load_task
     from megatron_areal.reward.arithmetic import verify_number
 
     torch.manual_seed(args.seed)
     model, tokenizer = load(args.model, args.threads)
-    held_out = arithmetic_eval(size=args.eval_size)
-    train = arithmetic_train(seed=args.seed)
-    random.Random(args.seed).shuffle(train)
+    held_out = load_task(args.eval_task, size=args.eval_size or None)
+    prompts_in_order = PromptStream(load_task(args.train_task, args.data_seed, args.train_size or None),
+                                    seed=args.data_seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     points, trained_s, step = [], 0.0, 0
 
@@ -127,48 +137,79 @@ def run(args: argparse.Namespace, log=print) -> list[dict]:
         log(f"plain step {step:3d}  train {trained_s:6.0f} s  held-out {100 * acc:.1f}%")
 
     evaluate()
-    while trained_s < args.budget_s:
+    while step < args.steps:
         t = time.monotonic()
-        prompts = [train[(step * args.batch + i) % len(train)] for i in range(args.batch)]
+        prompts = [next(prompts_in_order) for _ in range(args.batch)]
         model.eval()
         out, prompt_mask = generate(model, tokenizer, encode(tokenizer, prompts), n=args.group,
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature)
         texts = replies(tokenizer, out, prompt_mask.shape[1])
         rewards = torch.tensor([verify_number(x, prompts[i // args.group].answer).reward for i, x in enumerate(texts)])
         generated = time.monotonic()
-        kept = grpo_step(model, optimizer, out, prompt_mask, rewards, args.group, tokenizer.eos_token_id)
+        kept = grpo_step(model, optimizer, out, prompt_mask, rewards, args.group, tokenizer.eos_token_id,
+                         eps_clip=args.eps_clip, clip_grad=args.clip_grad)
         step += 1
         trained_s += time.monotonic() - t
         log(f"plain step {step:3d}  generate {generated - t:5.1f} s, train {time.monotonic() - generated:5.1f} s on "
             f"{kept} samples, reward {rewards.mean():.3f}")
-        if args.eval_every and step % args.eval_every == 0 and trained_s < args.budget_s:
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             evaluate()
     evaluate()
     return points
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=8, help="prompts per step")
-    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--lr", type=float, default=5e-6)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--eval-size", type=int, default=200)
+    """The loop's settings; each defaults to the main job's (``--config``) when not given."""
+    parser.add_argument("--config", type=Path, default=Path("configs/smollm2_arith.yaml"),
+                        help="the main job's config: the settings not given below come from it")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: both cores)")
+    parser.add_argument("--seed", type=int, default=None, help="torch seed (default: train.seed)")
+    parser.add_argument("--data-seed", type=int, default=None, help="training prompts and their order (data.seed)")
+    parser.add_argument("--batch", type=int, default=None, help="prompts per step (rollout.batch_size)")
+    parser.add_argument("--group", type=int, default=None, help="samples per prompt (rollout.group_size)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (optimizer.lr)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (train.steps)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (rollout.temperature)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="response length (rollout.max_new_tokens)")
+    parser.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: end only)")
+
+
+def fill_from_config(args: argparse.Namespace) -> argparse.Namespace:
+    """Every setting not given on the command line takes the main job's value from ``args.config``."""
+    from megatron_areal.config import load_config
+
+    cfg = load_config(str(args.config), [])
+    main_job = {"seed": cfg.train.seed, "data_seed": cfg.data.seed, "batch": cfg.rollout.batch_size,
+                "group": cfg.rollout.group_size, "lr": cfg.optimizer.lr, "steps": cfg.train.steps,
+                "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens}
+    for key, value in main_job.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.model, args.eps_clip, args.clip_grad = cfg.model.path, cfg.ppo.eps_clip, cfg.optimizer.clip_grad
+    args.train_task, args.train_size = cfg.data.train, cfg.data.train_size
+    args.eval_task, args.eval_size = cfg.data.eval, cfg.data.eval_size
+    return args
+
+
+SETTINGS = ("lr", "batch", "group", "steps", "temperature", "max_new_tokens", "seed", "data_seed", "threads")
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    t0 = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    parser.add_argument("--budget-s", type=float, default=600.0, help="training seconds, evaluations excluded")
-    parser.add_argument("--eval-every", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None, help="write points, settings and wall time here (JSON)")
+    args = fill_from_config(parser.parse_args())
+    logger.info("plain GRPO: %s", ", ".join(f"{k}={getattr(args, k)}" for k in SETTINGS))
     points = run(args)
+    wall = time.monotonic() - t0  # the interpreter's start-up and imports before main() are not counted
     if args.out:
-        args.out.write_text("".join(json.dumps(p) + "\n" for p in points))
+        args.out.write_text(json.dumps({"points": points, "wall_s": wall, "steps": args.steps,
+                                        "settings": {k: getattr(args, k) for k in SETTINGS}}))
+    before, after = points[0]["accuracy"], points[-1]["accuracy"]
+    logger.info("plain: held-out %.1f%% -> %.1f%% (%+.1f points) in %.0f s", 100 * before, 100 * after,
+                100 * (after - before), wall)
 
 
 if __name__ == "__main__":
