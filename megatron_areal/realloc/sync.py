@@ -106,7 +106,8 @@ class WeightSync:
                  control_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
                  on_bucket: Callable[[int, Bucket], None] | None = None,
                  on_drop: Callable[[str, str], None] | None = None,
-                 on_join: Callable[[str], None] | None = None, fleet: Fleet | None = None) -> None:
+                 on_join: Callable[[str], None] | None = None, fleet: Fleet | None = None,
+                 engine: str | None = None) -> None:
         self.chunks, self.arch, self.groups = list(chunks), arch, groups
         self.config = config or ReallocConfig()
         self.config.validate()
@@ -129,8 +130,10 @@ class WeightSync:
         self.backend = "nccl" if groups.backend == "nccl" else "gloo"
         # rank 0 may be handed the trainer's shared fleet (closed by its owner); a stage head makes its own
         self._own_fleet = fleet is None
+        engine = engine or (fleet.engine if fleet is not None else "embedded")  # server.engine: the client kind
         self.fleet = fleet if fleet is not None else (
-            Fleet(api_key=api_key, control_timeout_s=self.config.timeout_s) if (self.is_head or self.rank0) else None)
+            Fleet(api_key=api_key, control_timeout_s=self.config.timeout_s, engine=engine)
+            if (self.is_head or self.rank0) else None)
         self._link: StageLink | None = None
         self._generation = 0
 

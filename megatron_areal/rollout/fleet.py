@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
+from megatron_areal.rollout.backends import client_class
 from megatron_areal.rollout.client import RolloutClient
 from megatron_areal.rollout.routing import ServerPool
 
@@ -35,8 +36,10 @@ class Fleet:
     """One client per server on one background event loop, and the members' routing state."""
 
     def __init__(self, urls: Iterable[str] = (), *, api_key: str | None = None, request_timeout_s: float = 600.0,
-                 control_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 control_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
+                 engine: str = "embedded") -> None:
         self.api_key, self.timeout_s = api_key, control_timeout_s
+        self.engine, self._client_class = engine, client_class(engine)  # server.engine: which client speaks
         self.request_timeout_s = request_timeout_s
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="fleet", daemon=True)
@@ -51,8 +54,8 @@ class Fleet:
         """The one client of ``url`` (made on first use); call on the loop (aiohttp's rule)."""
         url = normalize_url(url)
         if url not in self._clients:
-            self._clients[url] = RolloutClient(url, api_key=self.api_key, timeout_s=self.request_timeout_s,
-                                               control_timeout_s=self.timeout_s)
+            self._clients[url] = self._client_class(url, api_key=self.api_key, timeout_s=self.request_timeout_s,
+                                                    control_timeout_s=self.timeout_s)
         return self._clients[url]
 
     @property

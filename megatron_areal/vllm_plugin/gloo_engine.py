@@ -1,0 +1,137 @@
+"""``GlooWeightTransferEngine``: the receiving side of the trainer's weight push inside a vLLM worker.
+
+It joins the trainer's weight-update group exactly as the embedded server and SGLang do
+(``realloc/group.join_group``: the trainer is rank 0 and hosts the store, this worker is rank
+``rank_offset + its rank in the server``), receives each announced bucket by broadcast from rank 0
+and loads it with the model's own ``load_weights`` inside vLLM's layerwise-reload lifecycle (CPU
+linear layers may repack their weights after loading, so a plain ``load_weights`` would leave the
+repacked copies stale).
+
+Update info: ``names``, ``dtypes`` (torch attribute names), ``shapes``, and ``flattened``: one uint8
+broadcast holding the tensors back to back without padding (``realloc/buckets.py``) instead of one
+broadcast per tensor.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from megatron_areal.realloc.group import join_group
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    """Where the trainer's group meets: the body of ``/init_weight_transfer_engine``'s ``init_info``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    timeout_s: float = 300.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: the body of ``/update_weights``'s ``update_info``."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    flattened: bool = False
+    group_name: str | None = None  # checked against the group this worker joined, when given
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"update_info: {len(self.names)} names, {len(self.dtypes)} dtypes and "
+                             f"{len(self.shapes)} shapes must be as many")
+        for name, dtype in zip(self.names, self.dtypes):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"update_info: dtype {dtype!r} of {name!r} is not a torch dtype name")
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """Weights from the trainer over a gloo group, for vLLM's CPU workers."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group: dist.ProcessGroup | None = None
+        self.group_name: str | None = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        """Join the trainer's group as ``rank_offset`` + this worker's rank among the server's workers."""
+        if self.group is not None:
+            self.shutdown()  # a new group replaces the old one (the trainer re-forms it after a drop)
+        parallel = self.parallel_config
+        worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
+        rank = init_info.rank_offset + worker_rank
+        log.info("joining weight update group %s at %s:%d as rank %d/%d", init_info.group_name,
+                 init_info.master_address, init_info.master_port, rank, init_info.world_size)
+        self.group = join_group(init_info.master_address, init_info.master_port, rank=rank,
+                                world_size=init_info.world_size, group_name=init_info.group_name,
+                                backend="gloo", timeout=timedelta(seconds=init_info.timeout_s))
+        self.group_name = init_info.group_name
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes an accelerator after receiving; gloo on CPU has already blocked.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer: /update_weights before /init_weight_transfer_engine")
+        if update_info.group_name is not None and update_info.group_name != self.group_name:
+            raise ValueError(f"update_info.group_name {update_info.group_name!r} is not the group this worker "
+                             f"joined ({self.group_name!r})")
+        dtypes = [getattr(torch, d) for d in update_info.dtypes]
+        if update_info.flattened:
+            weights = self._receive_flat(update_info.names, dtypes, update_info.shapes)
+        else:
+            weights = []
+            for name, dtype, shape in zip(update_info.names, dtypes, update_info.shapes):
+                tensor = torch.empty(shape, dtype=dtype)
+                dist.broadcast(tensor, group=self.group, group_src=0)
+                weights.append((name, tensor))
+        self.model.load_weights(weights)
+
+    def _receive_flat(self, names: list[str], dtypes: list[torch.dtype],
+                      shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+        sizes = [math.prod(shape) * torch.empty((), dtype=d).element_size() for d, shape in zip(dtypes, shapes)]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.broadcast(buffer, group=self.group, group_src=0)
+        out, offset = [], 0
+        for name, dtype, shape, size in zip(names, dtypes, shapes, sizes):
+            out.append((name, buffer[offset:offset + size].view(dtype).view(shape)))
+            offset += size
+        return out
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            group.shutdown()
+            dist.destroy_process_group(group)
