@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
@@ -80,9 +83,13 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads ``1e-5`` (no dot) as a string; users mean the number
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # no setting means "unbounded" by .inf, and .nan passes no comparison
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        return float(value)
     if tp is str:
         if isinstance(value, (str, Path)):
             return str(value)

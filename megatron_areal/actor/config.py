@@ -96,7 +96,11 @@ class OptimizerConfig:
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
-        require(self.lr > 0, "lr", "must be positive")
+        require(0 < self.lr <= 1, "lr", "must be in (0, 1]")
+        require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        require(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        require(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        require(self.adam_eps > 0, "adam_eps", "must be > 0")
         for key in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             require(self.precision_aware or getattr(self, key) == "float32", key,
                     "other than float32 needs optimizer.precision_aware: true")

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 from megatron_areal.configbase import require
 
+# Beyond it sampling is close to uniform over the vocabulary: no policy left to improve.
+MAX_TEMPERATURE = 2.0
+
 
 @dataclass(kw_only=True)
 class RolloutConfig:
@@ -37,8 +40,10 @@ class RolloutConfig:
         require(self.batch_size >= 1, "batch_size", "must be >= 1")
         require(self.group_size >= 1, "group_size", "must be >= 1")
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        require(self.temperature >= 0, "temperature", "must be >= 0")
+        require(0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+                f"must be in [0, {MAX_TEMPERATURE}] (0: greedy)")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        require(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
         require(self.max_concurrent >= 1, "max_concurrent", "must be >= 1")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         require(self.health_interval_s > 0, "health_interval_s", "must be > 0")

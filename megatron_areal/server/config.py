@@ -80,4 +80,5 @@ class ServerConfig:
         require(self.threads >= 1, "threads", "must be >= 1")
         require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         require(self.restart_backoff_s >= 0, "restart_backoff_s", "must be >= 0")
+        require(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
 
