@@ -73,7 +73,7 @@ from pathlib import Path
 import yaml
 
 from megatron_areal.netutil import free_port
-from megatron_areal.rundir import RunDir
+from megatron_areal.run.rundir import RunDir
 
 MODES = {"sync": {"eta": 0, "overlap": False}, "async": {"eta": 4, "overlap": True}}
 

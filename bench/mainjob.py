@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_areal.ledger import TrainedLedger
-from megatron_areal.rundir import RunDir
+from megatron_areal.run.rundir import RunDir
 
 
 def train_command(config: Path, run_dir: Path, overrides: list[str]) -> list[str]:

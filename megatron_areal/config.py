@@ -12,14 +12,14 @@ from pathlib import Path
 from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.checkpoint.config import CheckpointConfig
+from megatron_areal.cluster.config import ClusterConfig
+from megatron_areal.cluster.sim_config import SimConfig
 from megatron_areal.configbase import ConfigError, apply_overrides, from_dict, load_yaml, require, to_dict
 from megatron_areal.data.config import DataConfig
-from megatron_areal.launch.config import ClusterConfig
 from megatron_areal.realloc.config import ReallocConfig
 from megatron_areal.reward.config import RewardConfig
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.server.config import ServerConfig
-from megatron_areal.sim.config import SimConfig
 
 __all__ = ["Config", "ConfigError", "LoggingConfig", "TrainConfig", "load_config", "to_dict"]
 

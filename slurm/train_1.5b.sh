@@ -18,7 +18,7 @@
 # is a data-parallel rank and every rollout GPU is its own server. eta 4: the paper's ablation
 # shows decoupled PPO at eta <= 4 keeps AIME24 accuracy (42.2 vs 42.0 synchronous).
 #
-# Roles are given per node by megatron_areal/launch/plan.py: the first trainer nodes run torchrun
+# Roles are given per node by megatron_areal/run/plan.py: the first trainer nodes run torchrun
 # (rendezvous on the first of them), the other nodes run SGLang servers that register in
 # RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log (node agents), torchrun-<node>.log
 # and server-<id>.log.

@@ -17,7 +17,7 @@
 # 25 GB of model state per GPU and half the activations of 28k-token sequences. eta 4 as for 1.5B
 # (the paper's staleness ablation).
 #
-# Roles are given per node by megatron_areal/launch/plan.py: the first trainer nodes run torchrun
+# Roles are given per node by megatron_areal/run/plan.py: the first trainer nodes run torchrun
 # (rendezvous on the first of them), the other nodes run SGLang servers that register in
 # RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log (node agents), torchrun-<node>.log
 # and server-<id>.log.

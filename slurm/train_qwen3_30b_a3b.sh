@@ -22,7 +22,7 @@
 # Node counts whose trainer share is an odd number of nodes (e.g. 12 nodes: 3 trainer nodes, DP 12)
 # fail the plan's check that EP divides DP; the dry run names it.
 #
-# Roles are given per node by megatron_areal/launch/plan.py: the first trainer nodes run torchrun
+# Roles are given per node by megatron_areal/run/plan.py: the first trainer nodes run torchrun
 # (rendezvous on the first of them), the other nodes run SGLang servers that register in
 # RUN_DIR/servers. Logs: RUN_DIR/logs/{rollout,trainer}-<node>.log (node agents), torchrun-<node>.log
 # and server-<id>.log.

@@ -1,124 +1,155 @@
-"""The package's parts depend on each other in one direction: the import graph between the
-subpackages and top-level modules of ``megatron_areal`` (read from the source by AST, every import
-counted, also those inside functions) has no cycle.
+"""The package's parts depend on each other in one direction: the import graph between the subpackages and
+top-level modules of ``megatron_areal`` (read from the source by AST, every import counted, also those inside
+functions: a lazy import still ties two parts together) has no cycle, and the launcher (``launch/``) is
+imported only by the command line.
 
-One kind of import is not an edge: ``megatron_areal/config.py`` assembling the parts' sections of
-the configuration tree (``<part>/config.py``). A section sits next to its component but is a leaf
-(``test_config_sections_are_leaves``), so the parts that read the whole tree (the launcher, the
-simulator, the trainer) stay above ``config`` without a cycle through the part that owns a section.
+No import is exempt. The configuration tree (``megatron_areal/config.py``) imports every part's section;
+the sections of the parts that read the whole tree (the launcher's ``cluster:``, the simulator's ``sim:``)
+therefore live in ``megatron_areal/cluster/``, below the tree, and every section is a leaf
+(``test_config_sections_are_leaves``).
 
 ``python tests/test_import_graph.py`` prints the graph.
 """
 from __future__ import annotations
 
 import ast
+import importlib
+from collections import defaultdict
 from pathlib import Path
 
-import megatron_areal
+import pytest
 
-ROOT = Path(megatron_areal.__file__).parent
+from megatron_areal.cli import COMMANDS
+from megatron_areal.config import Config
 
-
-def _part(path: Path) -> str:
-    """The subpackage (first folder) or top-level module a file belongs to."""
-    rel = path.relative_to(ROOT).parts
-    return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+PACKAGE = Path(__file__).resolve().parent.parent / "megatron_areal"
+Graph = dict[str, dict[str, list[str]]]  # part -> imported part -> the importing files
 
 
-def _imported_modules(path: Path) -> list[str]:
-    names = []
+def part_of(module: str) -> str | None:
+    """``megatron_areal.rollout.fleet`` -> ``rollout``; None outside the package."""
+    names = module.split(".")
+    return names[1] if names[0] == "megatron_areal" and len(names) > 1 else None
+
+
+def module_name(path: Path) -> str:
+    return ".".join(("megatron_areal", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Absolute names of every module ``path`` imports (``from a import b`` gives ``a.b``: b may be a module)."""
+    out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
+            out += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{path}: relative import; the package imports absolutely"
-            names += [f"{node.module}.{a.name}" for a in node.names]
-    return names
+            assert node.level == 0, f"{path}:{node.lineno}: relative import; the package imports absolutely"
+            out += [f"{node.module}.{alias.name}" for alias in node.names]
+    return out
 
 
-def _package_imports(path: Path) -> list[list[str]]:
-    """The package's modules ``path`` imports, as name pieces after ``megatron_areal``."""
-    pieces = (name.split(".") for name in _imported_modules(path))
-    return [p[1:] for p in pieces if p[0] == "megatron_areal" and len(p) > 1]
-
-
-def _is_section(pieces: list[str]) -> bool:
-    return len(pieces) >= 2 and pieces[1] == "config"
-
-
-def import_graph() -> dict[str, set[str]]:
-    """part -> the other parts it imports."""
-    graph: dict[str, set[str]] = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        part = _part(path)
-        deps = graph.setdefault(part, set())
-        for pieces in _package_imports(path):
-            if part == "config" and _is_section(pieces):
-                continue  # the tree assembling its sections (leaves, see the module docstring)
-            if pieces[0] != part:
-                deps.add(pieces[0])
+def package_graph() -> Graph:
+    graph: Graph = defaultdict(lambda: defaultdict(list))
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = part_of(module_name(path))
+        for name in imported_modules(path):
+            target = part_of(name)
+            if target and source and target != source:
+                graph[source][target].append(str(path.relative_to(PACKAGE.parent)))
     return graph
 
 
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle as a path ``[a, b, ..., a]``, or None."""
-    state: dict[str, int] = {}  # 1 on the current path, 2 done
-    stack: list[str] = []
+def render(graph: Graph) -> str:
+    width = max(map(len, graph))
+    return "\n".join(f"{part:<{width}} -> {', '.join(sorted(graph[part])) or '-'}" for part in sorted(graph))
+
+
+def find_cycle(edges: dict[str, set[str]] | Graph) -> list[str] | None:
+    """One cycle as a path ``[a, b, ..., a]``, or None when the graph has none (depth-first search)."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once fully explored
+    path: list[str] = []
 
     def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
-        stack.pop()
-        state[node] = 2
+        path.pop()
+        state[node] = "done"
         return None
 
-    for node in sorted(graph):
+    for node in sorted(edges):
         if node not in state and (found := visit(node)):
             return found
     return None
 
 
-def render(graph: dict[str, set[str]]) -> str:
-    width = max(map(len, graph))
-    return "\n".join(f"{part:<{width}} -> {', '.join(sorted(graph[part])) or '-'}" for part in sorted(graph))
+@pytest.mark.parametrize(("edges", "cyclic"), [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
+    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, False),  # a diamond is not a cycle
+    ({"a": {"b"}, "b": {"a"}}, True),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True),
+    ({"x": set(), "a": {"b"}, "b": {"c"}, "c": {"b"}}, True),  # a cycle not through the first node
+])
+def test_find_cycle_on_hand_drawn_graphs(edges: dict[str, set[str]], cyclic: bool) -> None:
+    cycle = find_cycle(edges)
+    assert (cycle is not None) == cyclic
+    if cycle:
+        assert cycle[0] == cycle[-1] and all(b in edges[a] for a, b in zip(cycle, cycle[1:]))
 
 
-def test_find_cycle_finds_one():
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+def test_imports_inside_functions_are_read() -> None:
+    graph = package_graph()
+    assert "trainer" in graph and "rollout" in graph["trainer"]
+    # evaluate.py is imported lazily inside a function of trainer/rank0.py
+    assert "megatron_areal/trainer/rank0.py" in graph["trainer"]["evaluate"]
 
 
-def test_model_is_below_every_part_that_uses_it():
-    graph = import_graph()
-    assert graph["model"] <= {"configbase"}, graph["model"]
+def test_no_cycle_between_parts_of_the_package() -> None:
+    graph = package_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle " + " -> ".join(cycle) + ": " + "; ".join(
+        f"{a} -> {b} in {', '.join(sorted(set(graph[a][b])))}" for a, b in zip(cycle, cycle[1:]))
+
+
+def test_model_is_below_every_part_that_uses_it() -> None:
+    graph = package_graph()
+    assert set(graph["model"]) <= {"configbase"}, dict(graph["model"])
     users = {part for part, deps in graph.items() if "model" in deps}
     assert {"actor", "server", "convert", "realloc", "launch", "sim"} <= users
 
 
-def test_config_sections_are_leaves():
-    """A part's section imports only ``configbase`` and its own part's modules that import nothing
-    of the package (say, the simulator's table of GPUs)."""
-    for section in sorted(ROOT.glob("*/config.py")):
-        for pieces in _package_imports(section):
-            if pieces[0] == "configbase":
+def test_config_sections_are_leaves() -> None:
+    """Each section of the tree imports only ``configbase`` and modules of its own part that import nothing
+    of the package (say, the table of GPUs), so assembling the tree ties no part to a reader of the tree."""
+    sections = {type(value).__module__ for value in vars(Config()).values()}
+    for section in sorted(sections - {"megatron_areal.config"}):
+        path = PACKAGE.joinpath(*section.split(".")[1:]).with_suffix(".py")
+        for name in imported_modules(path):
+            if not name.startswith("megatron_areal.") or name.startswith("megatron_areal.configbase."):
                 continue
-            assert pieces[0] == section.parent.name, f"{section} imports megatron_areal.{'.'.join(pieces)}"
-            module = ROOT.joinpath(*pieces[:2]).with_suffix(".py")
-            assert not _package_imports(module), f"{section} imports {module}, which imports the package"
+            assert part_of(name) == part_of(section), f"{path} imports {name}"
+            module = PACKAGE.joinpath(*name.split(".")[1:-1]).with_suffix(".py")
+            leaf = [m for m in imported_modules(module) if m.startswith("megatron_areal.")]
+            assert not leaf, f"{path} imports {module}, which imports {leaf}"
 
 
-def test_parts_import_each_other_without_cycles():
-    graph = import_graph()
-    cycle = find_cycle(graph)
-    assert cycle is None, f"import cycle {' -> '.join(cycle)}\n{render(graph)}"
+def test_launch_is_imported_only_by_the_command_line() -> None:
+    importers = {source: sorted(set(files)) for source, targets in package_graph().items()
+                 for target, files in targets.items() if target == "launch"}
+    assert importers == {}, f"launch/ is the command line's; import megatron_areal.run instead: {importers}"
+
+
+def test_the_command_line_reaches_every_command_module() -> None:
+    """``cli.py`` names its commands as strings (imported on use); each must import and have ``main``."""
+    for name, (module, _) in COMMANDS.items():
+        assert callable(getattr(importlib.import_module(module), "main", None)), name
 
 
 if __name__ == "__main__":
-    graph = import_graph()
+    graph = package_graph()
     print(render(graph))
     print("cycle:", " -> ".join(find_cycle(graph) or ["none"]))

@@ -18,11 +18,11 @@ import pytest
 from netutil import free_ports
 
 from megatron_areal.config import load_config
-from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.local import local_plan, port_free
-from megatron_areal.launch.plan import ServerSlot
 from megatron_areal.launch.procs import ProcessSet
-from megatron_areal.launch.registry import wait_for_servers
+from megatron_areal.run.errors import LaunchError
+from megatron_areal.run.plan import ServerSlot
+from megatron_areal.run.registry import wait_for_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,7 +260,7 @@ def test_api_key_never_in_argv_or_logs(tmp_path: Path, route: str) -> None:
 
 
 def test_control_files_decide_each_step_boundary(tmp_path: Path) -> None:
-    from megatron_areal.launch import control
+    from megatron_areal.run import control
 
     assert control.decide(tmp_path, 1) == "go"
     hold = control.control_dir(tmp_path) / "hold"
@@ -290,7 +290,7 @@ def test_slurm_time_left_parsing() -> None:
 
 
 def test_api_key_overrides_never_reach_children() -> None:
-    from megatron_areal.launch.secrets import API_KEY_ENV, apply_env_api_key, env_with_api_key, public_overrides
+    from megatron_areal.run.secrets import API_KEY_ENV, apply_env_api_key, env_with_api_key, public_overrides
 
     assert public_overrides(["train.steps=3", "server.api_key=sk-1", " server.api_key =x"]) == ["train.steps=3"]
     cfg = load_config(ROOT / "configs/train_tiny.yaml", ["server.api_key=sk-yaml"])
@@ -305,8 +305,8 @@ def test_trainer_that_asks_to_resume_is_requeued(tmp_path: Path, caplog: pytest.
     batch step requeues the job (no USR1 involved), and a new attempt starts with the request cleared."""
     import logging
 
-    from megatron_areal.launch.control import ask_to_resume, clear_requests, resume_asked
     from megatron_areal.launch.slurm import RequeueOnUsr1, _requeue_if_asked
+    from megatron_areal.run.control import ask_to_resume, clear_requests, resume_asked
 
     usr1 = RequeueOnUsr1(tmp_path, grace_s=10, job=None)
     with caplog.at_level(logging.WARNING):

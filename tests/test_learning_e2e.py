@@ -48,7 +48,7 @@ def config(root: Path) -> dict:
 
 @pytest.mark.slow
 def test_reward_rises_over_a_few_steps(tmp_path: Path) -> None:
-    from megatron_areal.rundir import RunDir
+    from megatron_areal.run.rundir import RunDir
 
     cfg = config(tmp_path)
     path = tmp_path / "zeros.yaml"

@@ -11,8 +11,8 @@ import pytest
 
 from megatron_areal.config import load_config
 from megatron_areal.launch.cli import main as train_main
-from megatron_areal.launch.plan import Plan
 from megatron_areal.launch.slurm import expand_hostlist, plan_allocation
+from megatron_areal.run.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"1.5b": 16, "7b": 24, "32b": 64, "qwen3_30b_a3b": 16}  # script -> the node count it documents
@@ -251,7 +251,7 @@ def test_cpu_roles_sleep_at_openmp_barriers_unless_the_user_says_otherwise(monke
 
 def _one_cpu_node(overrides: list[str]):
     """The main job's config with ``overrides``, and its plan on one CPU node ``n0``."""
-    from megatron_areal.launch.plan import Node, make_plan
+    from megatron_areal.run.plan import Node, make_plan
 
     cfg = load_config(ROOT / "configs/smollm2_arith.yaml", overrides)
     return cfg, make_plan([Node("n0", "127.0.0.1")], 0, cfg.cluster, cfg.server, 1, 1)

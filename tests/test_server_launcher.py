@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.server_process import start_server, stop_server, wait_healthy
 from megatron_areal.launch.sglang import SGLangLaunch
 from megatron_areal.netutil import free_port
+from megatron_areal.run.errors import LaunchError
 
 
 def test_sglang_command_has_rollout_flags() -> None:
@@ -91,7 +91,7 @@ def test_the_launchers_server_command_is_accepted_by_the_server_cli(tiny_llama, 
     from megatron_areal.config import load_config
     from megatron_areal.configbase import ConfigError, from_dict
     from megatron_areal.launch.commands import server_command
-    from megatron_areal.launch.plan import ServerSlot
+    from megatron_areal.run.plan import ServerSlot
     from megatron_areal.server.cli import parse_args
     from megatron_areal.server.config import ServerConfig
 

@@ -452,7 +452,7 @@ def test_sglang_servers_are_launched_to_return_routes(tmp_path: Path) -> None:
     answers no routes without it); server.extra_args still come last."""
     from megatron_areal.config import load_config
     from megatron_areal.launch.commands import server_command
-    from megatron_areal.launch.plan import ServerSlot
+    from megatron_areal.run.plan import ServerSlot
 
     root = Path(__file__).resolve().parents[1]
     slot = ServerSlot(id="n0-0", node="n0", addr="127.0.0.1", port=31000, gpus=(0,))

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from megatron_areal.cluster.hardware import gpu_spec
 from megatron_areal.config import ConfigError, load_config
 from megatron_areal.model.arch import arch_from_hf_config
 from megatron_areal.model.catalogue import CATALOGUE, resolve_arch
@@ -24,7 +25,6 @@ from megatron_areal.sim.calibrate import calibrate, read_scalars
 from megatron_areal.sim.cli import main as simulate_main
 from megatron_areal.sim.costs import CostModel, decode_cost, sum_max_linear
 from megatron_areal.sim.engine import simulate
-from megatron_areal.sim.hardware import gpu_spec
 from megatron_areal.sim.result import TRAINER
 from megatron_areal.sim.scenario import ScenarioError, from_config
 

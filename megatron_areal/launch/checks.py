@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_areal.config import Config
-from megatron_areal.launch.plan import Plan
 from megatron_areal.model.arch import ModelArch, UnsupportedModelError, load_arch
 from megatron_areal.model.catalogue import resolve_arch
 from megatron_areal.model.counts import (
@@ -21,6 +20,7 @@ from megatron_areal.model.counts import (
     param_count,
     trainer_state_bytes,
 )
+from megatron_areal.run.plan import Plan
 
 GB = 1e9
 # The paper's staleness ablation: AIME24 holds up to eta = 8 with decoupled PPO and drops at 16.

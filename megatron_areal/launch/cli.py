@@ -16,8 +16,8 @@ from megatron_areal.config import Config, ConfigError, load_config
 from megatron_areal.configbase import load_yaml, parse_override
 from megatron_areal.launch.checks import check_plan
 from megatron_areal.launch.describe import describe
-from megatron_areal.launch.errors import LaunchError
-from megatron_areal.launch.plan import make_plan, synthetic_nodes
+from megatron_areal.run.errors import LaunchError
+from megatron_areal.run.plan import make_plan, synthetic_nodes
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from megatron_areal.config import Config
 from megatron_areal.configbase import load_yaml, parse_override
 from megatron_areal.launch.allocator import with_allocator
-from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.launch.sglang import SGLangLaunch
+from megatron_areal.run.plan import Plan, ServerSlot
 
 
 def resolved_model_path(cfg: Config) -> str:
@@ -57,7 +57,7 @@ def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path)
         cmd += ["--device", "cuda"]
     if cfg.model.dtype != "auto":
         cmd += ["--dtype", cfg.model.dtype]
-    return cmd  # the API key travels in the environment (launch/secrets.py), never in argv
+    return cmd  # the API key travels in the environment (run/secrets.py), never in argv
 
 
 def weight_group_address(plan: Plan, node_rank: int, config_path: str, overrides: list[str]) -> list[str]:

@@ -1,7 +1,7 @@
 """Human-readable text of a launch plan (what ``megatron-areal train CONFIG --dry-run`` prints)."""
 from __future__ import annotations
 
-from megatron_areal.launch.plan import Plan
+from megatron_areal.run.plan import Plan
 
 
 def _gpu_range(gpus: tuple[int, ...]) -> str:

@@ -21,13 +21,13 @@ from pathlib import Path
 
 from megatron_areal.config import Config, load_config
 from megatron_areal.launch.commands import role_env, server_command, shares_cores, trainer_command
-from megatron_areal.launch.control import checkpoint_on_usr1
-from megatron_areal.launch.errors import LaunchError
-from megatron_areal.launch.plan import Plan, ServerSlot
 from megatron_areal.launch.procs import Child, ProcessSet, ServerKeeper, Stopped, supervised
-from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key
 from megatron_areal.launch.server_process import wait_healthy
-from megatron_areal.rundir import RunDir
+from megatron_areal.run.control import checkpoint_on_usr1
+from megatron_areal.run.errors import LaunchError
+from megatron_areal.run.plan import Plan, ServerSlot
+from megatron_areal.run.rundir import RunDir
+from megatron_areal.run.secrets import apply_env_api_key, env_with_api_key
 from megatron_areal.server.cli import write_registration
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_areal.metrics import read_eval
-from megatron_areal.rundir import RunDir
+from megatron_areal.run.rundir import RunDir
 
 STEP_KEY = "perf/step_time_s"  # present in a trained step's record, absent from evaluation records
 

@@ -14,8 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from megatron_areal.launch.errors import LaunchError
 from megatron_areal.launch.procs import log_tail
+from megatron_areal.run.errors import LaunchError
 
 log = logging.getLogger(__name__)
 

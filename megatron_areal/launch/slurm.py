@@ -22,14 +22,14 @@ from types import FrameType
 
 from megatron_areal.config import Config
 from megatron_areal.launch.checks import check_plan
-from megatron_areal.launch.control import clear_requests, request_checkpoint, resume_asked, saved_step
 from megatron_areal.launch.describe import describe
-from megatron_areal.launch.errors import LaunchError
-from megatron_areal.launch.plan import Node, Plan, make_plan
 from megatron_areal.launch.procs import Child, ProcessSet, Stopped, supervised
-from megatron_areal.launch.registry import clear_registrations, wait_for_servers
-from megatron_areal.launch.secrets import apply_env_api_key, env_with_api_key, public_overrides
-from megatron_areal.rundir import RunDir
+from megatron_areal.run.control import clear_requests, request_checkpoint, resume_asked, saved_step
+from megatron_areal.run.errors import LaunchError
+from megatron_areal.run.plan import Node, Plan, make_plan
+from megatron_areal.run.registry import clear_registrations, wait_for_servers
+from megatron_areal.run.rundir import RunDir
+from megatron_areal.run.secrets import apply_env_api_key, env_with_api_key, public_overrides
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_areal.cluster.hardware import GPUSpec
+from megatron_areal.cluster.sim_config import SimConfig
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.counts import (
     BF16_BYTES,
@@ -31,8 +33,6 @@ from megatron_areal.model.counts import (
     trainer_state_bytes,
     weight_bytes,
 )
-from megatron_areal.sim.config import SimConfig
-from megatron_areal.sim.hardware import GPUSpec
 
 
 def _series(a: float, b: float, j0: int, j1: int) -> float:

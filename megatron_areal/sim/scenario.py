@@ -6,11 +6,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from megatron_areal.cluster.hardware import GPUSpec, gpu_spec
+from megatron_areal.cluster.sim_config import SimConfig
 from megatron_areal.config import Config
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.catalogue import resolve_arch
-from megatron_areal.sim.config import SimConfig
-from megatron_areal.sim.hardware import GPUSpec, gpu_spec
 
 
 class ScenarioError(ValueError):

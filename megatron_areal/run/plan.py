@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_areal.launch.config import ClusterConfig
+from megatron_areal.cluster.config import ClusterConfig
 from megatron_areal.server.config import ServerConfig
 
 

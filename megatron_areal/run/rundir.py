@@ -3,12 +3,12 @@
 Layout, with the module that writes each entry::
 
     RUN_DIR/
-      plan.json          RunDir.plan         the launcher's plan (launch/plan.py); every role reads it
-      servers/           RunDir.servers      one registration per healthy rollout server (launch/registry.py)
+      plan.json          RunDir.plan         the launcher's plan (run/plan.py); every role reads it
+      servers/           RunDir.servers      one registration per healthy rollout server (run/registry.py)
       logs/              RunDir.logs         <process>.log per child (launch/procs.py); under Slurm also
                                              {rollout,trainer}-<node>.log of the node agents
       control/           RunDir.control      requests to the trainer: checkpoint, hold, and its answers
-                                             saved, held (launch/control.py)
+                                             saved, held (run/control.py)
       checkpoints/       RunDir.checkpoints  step_<N>/ (checkpoint/training.py); ``checkpoint.dir`` moves it
       metrics.jsonl      RunDir.metrics      one line of scalars per step (metrics.py)
       eval.jsonl         RunDir.evals        held-out accuracy per evaluation (metrics.py)

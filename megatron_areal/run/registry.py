@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from megatron_areal.launch.errors import LaunchError
-from megatron_areal.launch.plan import ServerSlot
+from megatron_areal.run.errors import LaunchError
+from megatron_areal.run.plan import ServerSlot
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_areal.cluster.hardware import GPUS
 from megatron_areal.configbase import require
-from megatron_areal.sim.hardware import GPUS
 
 
 @dataclass(kw_only=True)
@@ -18,7 +18,7 @@ class SimConfig:
     """What the cluster simulator needs beyond the run's own config: the GPU, the workload's lengths, the
     synchronous baseline's placement, and efficiencies that calibration refits."""
 
-    gpu: str = "H800"  # a name in megatron_areal.sim.hardware.GPUS
+    gpu: str = "H800"  # a name in megatron_areal.cluster.hardware.GPUS
     seed: int = 0
     steps: int = 24  # training steps simulated per run
     warmup_steps: int = 6  # first steps left out of the steady-state averages (pipeline fill)
