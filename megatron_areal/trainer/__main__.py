@@ -2,7 +2,7 @@
 
 ``python -m megatron_areal.trainer --plan RUN_DIR/plan.json CONFIG [key=value ...]``
 waits for the rollout servers of the plan to register, then hands over to the training loop. The API
-key comes from ``MEGATRON_AREAL_API_KEY`` (launch/secrets.py); SIGUSR1 asks for a checkpoint and a stop.
+key comes from ``MEGATRON_AREAL_API_KEY`` (run/secrets.py); SIGUSR1 asks for a checkpoint and a stop.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import os
 import sys
 
 from megatron_areal.config import load_config
-from megatron_areal.launch.control import checkpoint_on_usr1
-from megatron_areal.launch.plan import Plan
-from megatron_areal.launch.registry import wait_for_servers
-from megatron_areal.launch.secrets import apply_env_api_key
-from megatron_areal.rundir import RunDir
+from megatron_areal.run.control import checkpoint_on_usr1
+from megatron_areal.run.plan import Plan
+from megatron_areal.run.registry import wait_for_servers
+from megatron_areal.run.rundir import RunDir
+from megatron_areal.run.secrets import apply_env_api_key
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import time
 import torch.distributed as dist
 
 from megatron_areal.config import Config
-from megatron_areal.launch.control import StepControl
 from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.run.control import StepControl
 from megatron_areal.trainer.policy import Policy
 from megatron_areal.trainer.rank0 import NoDuties, Rank0Duties, StepTimes
 
