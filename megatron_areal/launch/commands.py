@@ -15,6 +15,7 @@ from megatron_areal.config import Config
 from megatron_areal.configbase import load_yaml, parse_override
 from megatron_areal.launch.allocator import with_allocator
 from megatron_areal.launch.sglang import SGLangLaunch
+from megatron_areal.launch.vllm import VLLMLaunch, launcher_command
 from megatron_areal.run.plan import Plan, ServerSlot
 
 
@@ -44,11 +45,25 @@ def sglang_spec(slot: ServerSlot, cfg: Config, model_dir: str) -> SGLangLaunch:
                         extra_args=(*routes, *cfg.server.extra_args))
 
 
+def vllm_spec(slot: ServerSlot, cfg: Config, model_dir: str) -> VLLMLaunch:
+    """The vLLM server of one slot of the plan, run by ``server.python`` (its own environment)."""
+    gpu = bool(slot.gpus)
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("auto" if gpu else "float32")
+    return VLLMLaunch(model_path=model_dir, port=slot.port, host=slot.addr, tp=cfg.server.tp, gpu=gpu, dtype=dtype,
+                      context_length=context_length(cfg), max_running=cfg.server.max_running, seed=cfg.train.seed,
+                      threads=cfg.server.threads, mem_fraction=cfg.server.mem_fraction, enforce_eager=not gpu,
+                      enable_return_routed_experts=cfg.rollout.return_routed_experts,
+                      extra_args=tuple(cfg.server.extra_args), python=cfg.server.python or sys.executable)
+
+
 def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path) -> list[str]:
     """SGLang does not register itself: the node role registers it once healthy. The embedded server
-    registers under the slot's id, so the wait matches it by name."""
+    registers under the slot's id, so the wait matches it by name; so does vLLM, through the wrapper
+    that starts it (``launch/vllm.exec_server``)."""
     if cfg.server.engine == "sglang":
-        return sglang_spec(slot, cfg, model_dir).command()
+        return sglang_spec(slot, cfg, model_dir).command(cfg.server.python or sys.executable)
+    if cfg.server.engine == "vllm":
+        return launcher_command(vllm_spec(slot, cfg, model_dir), register_dir=str(reg_dir), server_id=slot.id)
     cmd = [sys.executable, "-m", "megatron_areal.cli", "serve", "--model", model_dir, "--host", slot.addr,
            "--port", str(slot.port), "--register-dir", str(reg_dir), "--server-id", slot.id,
            "--max-running", str(cfg.server.max_running), "--max-queue", str(cfg.server.max_queue),
