@@ -88,3 +88,51 @@ def intel_openmp(python: str) -> Path | None:
     """``libiomp5.so`` of the environment ``python`` belongs to (``intel-openmp`` installs it under ``lib/``)."""
     lib = Path(python).parent.parent / "lib" / "libiomp5.so"
     return lib if lib.exists() else None
+
+
+# ---- the server process: ``python -m megatron_areal.launch.vllm [--register-dir D --server-id ID] ENV... -- ARGV``
+
+
+def exec_server(argv: list[str] | None = None) -> None:
+    """Run in the vLLM environment by the launcher (``launch/commands.server_command``): set the server's
+    environment (``K=V`` words; the API key from ``MEGATRON_AREAL_API_KEY`` as ``VLLM_API_KEY``), start a
+    watcher that registers the server in the run directory once its ``/health`` answers (vLLM has no
+    registration of its own, the embedded server has), then become the vLLM server (``exec``: same
+    pid, so the launcher's supervision and restarts see the server itself)."""
+    import argparse
+    import os
+    import subprocess
+
+    from megatron_areal.server.cli import API_KEY_ENV
+
+    parser = argparse.ArgumentParser(prog="megatron_areal.launch.vllm")
+    parser.add_argument("--register-dir")
+    parser.add_argument("--server-id")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--model", default="")
+    parser.add_argument("env", nargs="*", help="K=V words (then -- and the server's argv)")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        raise SystemExit("megatron_areal.launch.vllm: expected -- and the server's command line")
+    cut = argv.index("--")
+    args, server = parser.parse_args(argv[:cut]), argv[cut + 1:]
+    env = dict(os.environ)
+    env.update(word.split("=", 1) for word in args.env)
+    if env.get(API_KEY_ENV):
+        env["VLLM_API_KEY"] = env[API_KEY_ENV]
+    if args.register_dir and args.server_id:
+        subprocess.Popen([sys.executable, "-m", "megatron_areal.launch.vllm_register", args.register_dir,
+                          args.server_id, args.url, str(os.getpid()), args.model], start_new_session=True)
+    os.execvpe(server[0], server, env)
+
+
+def launcher_command(spec: VLLMLaunch, *, register_dir: str | None = None, server_id: str | None = None) -> list[str]:
+    """The argv that starts ``spec`` through ``exec_server`` (and registers it when given a directory)."""
+    cmd = [spec.python, "-m", "megatron_areal.launch.vllm", "--url", spec.url, "--model", spec.model_path]
+    if register_dir is not None and server_id is not None:
+        cmd += ["--register-dir", register_dir, "--server-id", server_id]
+    return cmd + [f"{k}={v}" for k, v in spec.env().items()] + ["--", *spec.command()]
+
+
+if __name__ == "__main__":
+    exec_server()
