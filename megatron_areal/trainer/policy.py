@@ -78,9 +78,10 @@ class Policy:
             step, extra = checkpoints.load(latest, actor.model, actor.optimizer, actor.scheduler)
         version = int(extra.get("version", 0))
         fleet = Fleet(server_urls, api_key=cfg.server.api_key, request_timeout_s=cfg.rollout.request_timeout_s,
-                      control_timeout_s=cfg.realloc.timeout_s) if dist.get_rank() == 0 else None
+                      control_timeout_s=cfg.realloc.timeout_s,
+                      engine=cfg.server.engine) if dist.get_rank() == 0 else None
         weights = WeightSync(actor.model, arch, groups, server_urls, config=cfg.realloc, server_tp=cfg.server.tp,
-                             api_key=cfg.server.api_key, template_dir=hf_dir, fleet=fleet)
+                             api_key=cfg.server.api_key, template_dir=hf_dir, fleet=fleet, engine=cfg.server.engine)
         if version > 0:  # the servers started from the base model: give them the resumed policy first
             weights.sync(version)
         return cls(cfg, actor, checkpoints, weights, run_dir, hf_dir, fleet, step=step, version=version,
