@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_areal.algorithm import decoupled_ppo_loss
+from megatron_areal.algorithm import PPOObjective, decoupled_ppo_loss
 from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.algorithm.offpolicy import quantile, rollout_mismatch_metrics
 from megatron_areal.configbase import ConfigError
@@ -42,10 +42,10 @@ A = torch.tensor([1.0, -1.0, 2.0, 1.0], dtype=torch.float64)
 SEQ = torch.tensor([0, 0, 1, 1])
 
 
-def _hand(**kw):
+def _hand(seq_ids=None, **kw):
     logp = torch.tensor([-1.0, -2.0, -0.5, -3.0], dtype=torch.float64, requires_grad=True)
     behav = logp.detach() - W.log()
-    loss, stats = decoupled_ppo_loss(logp, logp.detach(), behav, A, torch.ones(4, dtype=torch.bool), **kw)
+    loss, stats = PPOObjective(**kw)(logp, logp.detach(), behav, A, torch.ones(4, dtype=torch.bool), seq_ids=seq_ids)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss.item(), grad, stats
 
@@ -84,30 +84,50 @@ def test_sequence_mask_on_rows_equals_packed_with_seq_ids():
     g = torch.Generator().manual_seed(3)
     logp, prox, behav, adv = (torch.randn(3, 7, generator=g, dtype=torch.float64) * 0.5 - 2 for _ in range(4))
     mask = torch.rand(3, 7, generator=g) > 0.2
-    kw = dict(seq_imp_weight_low=0.7, seq_imp_weight_high=1.3)
-    rows, st_rows = decoupled_ppo_loss(logp, prox, behav, adv, mask, **kw)
+    objective = PPOObjective(seq_imp_weight_low=0.7, seq_imp_weight_high=1.3)
+    rows, st_rows = objective(logp, prox, behav, adv, mask)
     ids = torch.arange(3)[:, None].expand(3, 7).reshape(-1)
-    packed, st_packed = decoupled_ppo_loss(*(t.reshape(-1) for t in (logp, prox, behav, adv, mask)), seq_ids=ids, **kw)
+    packed, st_packed = objective(*(t.reshape(-1) for t in (logp, prox, behav, adv, mask)), seq_ids=ids)
     assert rows.item() == pytest.approx(packed.item(), abs=1e-12) and st_rows == st_packed
     assert 0 < st_rows["dropped_sequences"] < 3  # the bounds cut, and not everything
     with pytest.raises(ValueError, match="needs seq_ids"):
-        decoupled_ppo_loss(*(t.reshape(-1) for t in (logp, prox, behav, adv, mask)), **kw)
+        objective(*(t.reshape(-1) for t in (logp, prox, behav, adv, mask)))
 
 
 def test_defaults_reproduce_the_stable_interface():
-    # keyword defaults: exactly the positional call of DESIGN.md section 4 (MIS at the given cap)
+    # the stable positional call (docs/design.md, "Stable interfaces"), by keyword and as an objective: MIS at the cap
     g = torch.Generator().manual_seed(1)
     logp, prox, behav, adv = (torch.randn(50, generator=g, dtype=torch.float64) - 2 for _ in range(4))
     mask = torch.rand(50, generator=g) > 0.3
     old = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, 0.28, 1.5)
-    new = decoupled_ppo_loss(logp, prox, behav, adv, mask, eps_clip=0.2, eps_clip_high=0.28,
-                             behav_imp_weight_cap=1.5, behav_imp_weight_mode="mask")
+    new = PPOObjective(eps_clip=0.2, eps_clip_high=0.28, behav_imp_weight_cap=1.5,
+                       behav_imp_weight_mode="mask")(logp, prox, behav, adv, mask)
     w = torch.exp(prox - behav)
     keep = mask & (w <= 1.5)
     ratio = torch.exp(logp - prox)
     obj = w * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
     assert old[0].item() == new[0].item() == pytest.approx((-(obj * keep).sum() / mask.sum()).item(), abs=1e-12)
     assert old[1] == new[1] and old[1]["dropped_tokens"] == float((mask & ~keep).sum()) > 0
+
+
+def test_objective_from_config_carries_every_loss_key():
+    """The actor builds its loss once from the ``ppo:`` section: every key of the objective comes from the
+    section's key of the same name, none keeps its default behind the user's back."""
+    cfg = PPOConfig(eps_clip=0.1, eps_clip_high=0.3, behav_imp_weight_cap=3.0, behav_imp_weight_mode="mask",
+                    behav_imp_weight_low=0.4, seq_imp_weight_low=0.6, seq_imp_weight_high=5.0)
+    objective = PPOObjective.from_config(cfg)
+    assert objective == PPOObjective(eps_clip=0.1, eps_clip_high=0.3, behav_imp_weight_cap=3.0,
+                                     behav_imp_weight_low=0.4, seq_imp_weight_low=0.6, seq_imp_weight_high=5.0)
+    assert objective.per_sequence and not PPOObjective.from_config(PPOConfig()).per_sequence
+    loss, stats = objective(*_hand_batch(), seq_ids=SEQ)
+    # w = 0.25, 0.8, 2, 8 with A = 1, -1, 2, 1 at u = 1: g0 = 0.447 < 0.6 drops sequence 0; in sequence 1,
+    # (g1 = 4 < 5) w = 8 > 3 is dropped: only 2 * 2 = 4 remains, over the 4 mask tokens
+    assert loss.item() == pytest.approx(-4.0 / 4, abs=1e-12) and stats["dropped_sequences"] == 1
+
+
+def _hand_batch():
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0], dtype=torch.float64)
+    return logp, logp, logp - W.log(), A, torch.ones(4, dtype=torch.bool)
 
 
 def test_config_validation_names_the_key():
@@ -239,8 +259,8 @@ def _both(ours_kw: dict, areal_kw: dict, batch, eps=0.2, eps_high=0.28):
     logp, prox, behav, adv, mask, cu, seq_ids = batch
     a = logp.clone().requires_grad_(True)
     b = logp.clone().requires_grad_(True)
-    ours, stats = decoupled_ppo_loss(a, prox, behav, adv, mask, eps_clip=eps, eps_clip_high=eps_high,
-                                     seq_ids=seq_ids, **ours_kw)
+    ours, stats = PPOObjective(eps_clip=eps, eps_clip_high=eps_high, **ours_kw)(a, prox, behav, adv, mask,
+                                                                                 seq_ids=seq_ids)
     ref, ref_stats = _areal().loss(b, prox, behav, adv, eps, mask, eps_clip_higher=eps_high, cu_seqlens=cu,
                                    **areal_kw)
     (ga,) = torch.autograd.grad(ours, a)

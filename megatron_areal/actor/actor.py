@@ -3,7 +3,7 @@
 Loss scaling across micro-batches and DP ranks. The objective of one mini-batch is the mean of the
 per-token PPO loss over all loss-mask tokens of the mini-batch, ``N``, wherever they were
 computed. Every rank sees the whole trajectory list, so ``N`` is known locally. Each micro-batch
-passes ``loss_scale_tokens=N`` to ``decoupled_ppo_loss`` (its share of the sum divided by ``N``);
+passes ``loss_scale_tokens=N`` to ``PPOObjective`` (its share of the sum divided by ``N``);
 Megatron's schedule then divides by the number of micro-batches ``M`` and Megatron DDP averages
 gradients over the ``D`` DP ranks, so the micro-batch returns ``loss * M * D`` and the gradient is
 exactly that of the mini-batch mean. The reported ``loss`` is the sum of the unscaled pieces.
@@ -41,7 +41,7 @@ from megatron_areal.actor.ppo_batch import (
 )
 from megatron_areal.actor.routing_replay import RouteHook, decode_routes, pack_routes
 from megatron_areal.actor.shared_prefix import Unit, fit_to_budget, prefix_units
-from megatron_areal.algorithm import decoupled_ppo_loss, kl_penalty
+from megatron_areal.algorithm import PPOObjective, kl_penalty
 from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.algorithm.offpolicy import rollout_mismatch_metrics
 from megatron_areal.data.packing import allocate_microbatches, check_lengths, kk_partition
@@ -72,6 +72,7 @@ class Actor:
                              "route the recomputed layers again, outside the rollout's routing replay")
         self.arch, self.model_cfg, self.parallel_cfg = arch, model_cfg, parallel_cfg
         self.ppo_cfg, self.groups = ppo_cfg, groups
+        self.objective = PPOObjective.from_config(ppo_cfg)  # the loss and its corrections, built once
         self.dtype = self._dtype(model_cfg.dtype, groups)
         chunks = build_model(arch, tp=groups.tp, pp=groups.pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
                              sequence_parallel=parallel_cfg.sequence_parallel, dtype=self.dtype, seed=seed,
@@ -310,18 +311,12 @@ class Actor:
             mask = (v["loss_mask"] > 0) & mb.target_mask
             proximal = v["proximal"] if "proximal" in v else lp.detach()
             seq_ids = None
-            if cfg.seq_imp_weight_low is not None or cfg.seq_imp_weight_high is not None:
+            if self.objective.per_sequence:
                 seq_ids = torch.full_like(mb.targets, -1)
                 for k, idx in enumerate(mb.value_index):
                     seq_ids[idx] = k
-            loss, st = decoupled_ppo_loss(lp, proximal, v["behaviour"], v["advantages"], mask,
-                                          eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                                          behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-                                          loss_scale_tokens=n_loss_tokens,
-                                          behav_imp_weight_mode=cfg.behav_imp_weight_mode,
-                                          behav_imp_weight_low=cfg.behav_imp_weight_low,
-                                          seq_imp_weight_low=cfg.seq_imp_weight_low,
-                                          seq_imp_weight_high=cfg.seq_imp_weight_high, seq_ids=seq_ids)
+            loss, st = self.objective(lp, proximal, v["behaviour"], v["advantages"], mask,
+                                      loss_scale_tokens=n_loss_tokens, seq_ids=seq_ids)
             kl_sum = 0.0
             if cfg.kl_coef > 0:
                 kl = torch.where(mask, kl_penalty(lp, v["reference"]), torch.zeros_like(lp))
