@@ -34,7 +34,6 @@ import ctypes
 import os
 import random
 import resource
-import socket
 import sys
 import tempfile
 import threading
@@ -157,9 +156,9 @@ def main() -> None:
     print(f"allocator: {'mimalloc' if 'libmimalloc' in env.get('LD_PRELOAD', '') else 'glibc'}")
     torch_threads = str(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", torch_threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    from megatron_areal.netutil import free_port
+
+    port = str(free_port())
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     _reset_peak()

@@ -2,22 +2,20 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from megatron_areal.netutil import free_port
+
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all bound at once, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """``n`` distinct ports that were free a moment ago."""
+    ports: list[int] = []
+    for _ in range(n):
+        ports.append(free_port(avoid=ports))
     return ports
 
 

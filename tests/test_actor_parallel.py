@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from megatron_areal.model.arch import ModelArch
+from megatron_areal.netutil import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -175,9 +175,7 @@ class Group:
 
     def __init__(self, world: int) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.commands = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.commands[r], self.results), daemon=True)

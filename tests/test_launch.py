@@ -18,8 +18,9 @@ import pytest
 from netutil import free_ports
 
 from megatron_areal.config import load_config
-from megatron_areal.launch.local import local_plan, port_free
+from megatron_areal.launch.local import local_plan
 from megatron_areal.launch.procs import ProcessSet
+from megatron_areal.netutil import port_free
 from megatron_areal.run.errors import LaunchError
 from megatron_areal.run.plan import ServerSlot
 from megatron_areal.run.registry import wait_for_servers

@@ -54,20 +54,8 @@ class ParallelGroups:
         return self.tp * self.pp * self.dp
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
-
-    @property
-    def last_stage_rank(self) -> int:
-        """Global rank of this rank's TP peer on the last pipeline stage (its logprob source)."""
-        return dist.get_global_rank(self.pp_group, self.pp - 1)
-
-    def pipeline_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self.pp_group)
 
 
 def resolve_backend(backend: str) -> str:

@@ -15,7 +15,7 @@ from megatron_areal.launch.commands import role_env, server_command, shares_core
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.procs import ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.progress import RunProgress
-from megatron_areal.netutil import free_port
+from megatron_areal.netutil import free_port, port_free
 from megatron_areal.run.control import clear_requests
 from megatron_areal.run.errors import LaunchError
 from megatron_areal.run.plan import Node, Plan, make_plan
@@ -24,15 +24,6 @@ from megatron_areal.run.rundir import RunDir
 from megatron_areal.run.secrets import apply_env_api_key, env_with_api_key, public_overrides
 
 logger = logging.getLogger(__name__)
-
-
-def port_free(addr: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
 
 
 def with_free_ports(plan: Plan) -> Plan:
