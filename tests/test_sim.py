@@ -84,13 +84,13 @@ def test_eta_respected_and_groups_conserved(eta):
     r = simulate(from_config(small(f"staleness.eta={eta}"), mode="config"))
     assert r.staleness and r.max_staleness <= eta
     assert max(r.staleness) == eta  # the bound is reached, so the check above has teeth
-    assert r.submitted == r.trained + r.dropped + r.running + r.buffered
+    assert r.submitted == r.trained + r.dropped + r.discarded + r.running + r.buffered
     assert r.trained == r.scenario.batch_size * r.scenario.sim.steps
 
 
 def test_non_interruptible_conserves_and_resumes():
     r = simulate(from_config(small("staleness.eta=2", "sim.interruptible=false"), mode="config"))
-    assert r.submitted == r.trained + r.dropped + r.running + r.buffered
+    assert r.submitted == r.trained + r.dropped + r.discarded + r.running + r.buffered
     assert r.max_staleness <= 2
     assert max(r.versions_per_sample) == 1  # a sample never changes weights mid-way
     ri = simulate(from_config(small("staleness.eta=2"), mode="config"))
@@ -143,8 +143,10 @@ def test_bad_settings_name_the_key():
         small("sim.gpu=TPU")
     with pytest.raises(ConfigError, match="sim.respons"):
         small("sim.respons_mean_tokens=3")
+    cpu = from_config(small("cluster.gpus_per_node=0", "server.count=2"))  # a CPU run: one device per process
+    assert (cpu.n_servers, cpu.train_gpus, cpu.gpu.name) == (2, 1, "CPU process")
     with pytest.raises(ScenarioError, match="gpus_per_node"):
-        from_config(small("cluster.gpus_per_node=0"))
+        from_config(small("cluster.gpus_per_node=0"), total_gpus=0)
     with pytest.raises(ValueError, match="does not fit"):
         simulate(from_config(small("model.path=32b", "server.tp=1")))
 

@@ -11,10 +11,18 @@ never move:
 - ``update_overhead_s`` from ``perf/weight_sync_s`` minus the modelled transfer time.
 
 Rates are per second of wall time, idle fractions are shares of wall time (what the trainer logs).
+
+The workload is the run's, not the ``sim`` section's guess: the response length law is set so that its
+mean after truncation at ``max_new_tokens`` is the logged ``rollout/response_len_mean``, the prompt
+length follows from the trained tokens with and without prompts, and the share of finished groups
+the run threw away untrained (all-equal rewards filtered, stale dropped) becomes the scenario's
+``discard_fraction``: a generation-bound run whose filter drops two groups in three needs three times
+the generation per step.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -27,7 +35,9 @@ from megatron_areal.sim.scenario import Scenario
 from megatron_areal.sim.workload import LengthSampler
 
 TAGS = ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s", "perf/step_time_s",
-        "perf/trainer_idle_fraction", "perf/generator_idle_fraction", "rollout/staleness_mean")
+        "perf/trainer_idle_fraction", "perf/generator_idle_fraction", "rollout/staleness_mean",
+        "rollout/response_len_mean", "rollout/filtered_groups", "rollout/dropped_stale",
+        "perf/train_all_tokens_per_s", "perf/train_compute_tokens_per_s")
 REQUIRED = ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/step_time_s")
 
 
@@ -36,13 +46,19 @@ class CalibrationError(ValueError):
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, list[float]]:
-    """Scalars of every event file under ``run_dir``, by tag, in step order."""
+    """The run's per-step scalars by tag, in step order: from its ``metrics.jsonl`` (a JSON line per
+    step, what the trainer writes besides TensorBoard), else from every event file under ``run_dir``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    files = sorted(Path(run_dir).rglob("events.out.tfevents.*"))
-    if not files:
-        raise CalibrationError(f"{run_dir}: no TensorBoard event files (events.out.tfevents.*) found")
     series: dict[str, dict[int, float]] = {}
+    lines = Path(run_dir) / "metrics.jsonl"
+    files = [] if lines.is_file() else sorted(Path(run_dir).rglob("events.out.tfevents.*"))
+    if not files and not lines.is_file():
+        raise CalibrationError(f"{run_dir}: no metrics.jsonl and no TensorBoard event files (events.out.tfevents.*)")
+    if lines.is_file():
+        for row in map(json.loads, filter(str.strip, lines.read_text().splitlines())):
+            for tag in set(row) & set(TAGS):
+                series.setdefault(tag, {})[int(row["step"])] = float(row[tag])
     for f in files:
         acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
         acc.Reload()
@@ -120,7 +136,42 @@ class Calibration:
                 f"per-step mean error {100 * self.per_step_error:.1f}%)")
 
 
+def _truncated_mean(mean: float, sigma: float, limit: int) -> float:
+    """E[min(X, limit)] of a log-normal X with mean ``mean`` and log-space deviation ``sigma``."""
+    mu = math.log(mean) - sigma * sigma / 2
+    z = (math.log(limit) - mu) / sigma
+    phi = lambda x: 0.5 * math.erfc(-x / math.sqrt(2))  # noqa: E731 - the standard normal CDF
+    return mean * phi(z - sigma) + limit * (1 - phi(z))
+
+
+def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
+    """``sc`` with the run's own response and prompt lengths and its share of discarded groups (where
+    the scalars have them)."""
+    sim = sc.sim
+    if "rollout/response_len_mean" in scalars:
+        target = statistics.fmean(scalars["rollout/response_len_mean"])
+        if not 0 < target < sc.max_new_tokens:
+            raise CalibrationError(f"rollout/response_len_mean averages {target:.1f}, outside (0, "
+                                   f"max_new_tokens={sc.max_new_tokens}): not a run of this config")
+        mean = _bisect(lambda m: -_truncated_mean(m, sim.response_sigma, sc.max_new_tokens), 1.0, 1e7, -target, 60,
+                       log_scale=True)
+        sim = dataclasses.replace(sim, response_mean_tokens=mean)
+        if "perf/train_all_tokens_per_s" in scalars and "perf/train_compute_tokens_per_s" in scalars:
+            # every token the actor computed on (prompts too) over the trained (response) tokens, per second
+            # of the same update
+            ratio = statistics.fmean(a / max(c, 1e-9) for a, c in zip(scalars["perf/train_all_tokens_per_s"],
+                                                                       scalars["perf/train_compute_tokens_per_s"]))
+            sim = dataclasses.replace(sim, prompt_mean_tokens=max(1.0, target * (ratio - 1)))
+    discard = 0.0
+    if "rollout/filtered_groups" in scalars:
+        thrown = scalars["rollout/filtered_groups"][-1] + scalars.get("rollout/dropped_stale", [0.0])[-1]
+        trained = sc.batch_size * len(scalars["perf/step_time_s"])
+        discard = thrown / (thrown + trained)
+    return sc.replace(sim=sim, discard_fraction=discard)
+
+
 def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
+    sc = run_workload(sc, scalars)
     gen_target = _busy_rate(scalars, "perf/gen_tokens_per_s", "perf/generator_idle_fraction")
     train_target = _busy_rate(scalars, "perf/train_tokens_per_s", "perf/trainer_idle_fraction")
     sim = sc.sim

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import random
 from collections.abc import Callable
 
 from megatron_areal.rollout.staleness import StalenessGate
@@ -51,6 +52,7 @@ class Engine:
         self._rid = itertools.count()
         self.buffer: list[Group] = []
         self.trainer_busy = False
+        self._discard = random.Random(sc.sim.seed + 1)  # its own stream: lengths stay as without discards
         self.result = RunResult(scenario=sc, timeline=self.timeline)
 
     # ----- event queue
@@ -109,6 +111,10 @@ class Engine:
             g.open -= 1
             if g.open == 0:
                 g.finish_time = self.now
+                if self._discard.random() < self.sc.discard_fraction:  # all-equal rewards: filtered out
+                    self.gate.on_reject()
+                    self.result.discarded += 1
+                    continue
                 self.gate.on_accept()
                 self.buffer.append(g)
         if done:

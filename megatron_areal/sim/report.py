@@ -24,7 +24,8 @@ def describe(r: RunResult) -> str:
         f"{100 * r.train_utilisation:.0f}%",
         f"  staleness (versions) {staleness_line(r)}",
         f"  groups               submitted {r.submitted}, trained {r.trained}, dropped as stale "
-        f"{r.dropped}, in flight {r.running}, buffered {r.buffered}; KV retractions {r.retracted}",
+        f"{r.dropped}, filtered {r.discarded}, in flight {r.running}, buffered {r.buffered}; "
+        f"KV retractions {r.retracted}",
     ]
     if sc.model.is_moe:
         mem = CostModel(sc.model, sc.gpu, sc.sim).train_memory_per_gpu(sc.train_gpus, sc.train_tp, sc.train_pp,

@@ -31,6 +31,7 @@ class RunResult:
     submitted: int = 0
     trained: int = 0
     dropped: int = 0
+    discarded: int = 0  # finished but filtered out (Scenario.discard_fraction)
     running: int = 0
     buffered: int = 0
     trained_tokens: int = 0

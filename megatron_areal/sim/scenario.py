@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_areal.cluster.hardware import GPUSpec, gpu_spec
+from megatron_areal.cluster.hardware import GB, GPUSpec, gpu_spec
 from megatron_areal.cluster.sim_config import SimConfig
 from megatron_areal.config import Config
 from megatron_areal.model.arch import ModelArch
@@ -41,6 +41,7 @@ class Scenario:
     train_ep: int = 1  # expert parallel (MoE): ranks the experts are split over
     train_etp: int = 1  # expert tensor parallel (MoE)
     gpus_per_node: int = 8  # decides which all-to-all peers are on NVLink
+    discard_fraction: float = 0.0  # finished groups thrown away untrained (all-equal rewards filtered)
 
     @property
     def gen_gpus(self) -> int:
@@ -71,10 +72,21 @@ def split_gpus(total: int, gen_fraction: float, server_tp: int, train_unit: int)
     return gen // server_tp, train
 
 
+# One single-threaded process of a CPU run (cluster.gpus_per_node = 0) as the simulator's device. Nominal
+# figures of one modern x86 core (DDR5 bandwidth one core draws, fp32 FMA peak of two 256-bit units at
+# ~3 GHz); calibration against the run (``--calibrate``) refits the overheads and MFU that carry the real
+# speed, so these only shape the model. Processes talk over loopback (weight pushes over gloo/TCP).
+CPU_PROCESS = GPUSpec(name="CPU process", hbm_bytes=16 * GB, hbm_bw=10 * GB, bf16_flops=100e9,
+                      nvlink_bw=5 * GB, net_bw=5 * GB)
+
+
 def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None = None,
                 total_gpus: int | None = None) -> Scenario:
     """``mode``: "config" (what the config says), "async" or "sync" (the baseline the sim section
-    describes). ``total_gpus`` / ``gen_fraction`` override the cluster for sweeps."""
+    describes). ``total_gpus`` / ``gen_fraction`` override the cluster for sweeps. A CPU run
+    (``cluster.gpus_per_node`` 0) is simulated as it runs: one device per server and trainer process."""
+    if cfg.cluster.gpus_per_node == 0 and total_gpus is None:
+        return _cpu_run(cfg, mode)
     sim = cfg.sim
     gpus = total_gpus or cfg.cluster.nodes * cfg.cluster.gpus_per_node
     if gpus <= 0:
@@ -95,7 +107,7 @@ def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None
         n_servers, train = split_gpus(gpus, frac, cfg.server.tp, unit)
     if train < unit:
         raise ScenarioError(f"{train} training GPUs cannot hold parallel.tp*pp*ep={unit}")
-    name, arch = resolve_arch(cfg.model.path)
+    name, arch = _arch(cfg.model.path)
     if arch.is_moe and arch.num_experts % par.ep:
         raise ScenarioError(f"parallel.ep ({par.ep}) does not divide the model's {arch.num_experts} experts")
     if not arch.is_moe and (par.ep > 1 or par.etp > 1):
@@ -109,3 +121,33 @@ def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None
                     mem_fraction=cfg.server.mem_fraction, colocated=colocated,
                     interruptible=sim.interruptible, train_ep=par.ep, train_etp=par.etp,
                     gpus_per_node=cfg.cluster.gpus_per_node)
+
+
+def _arch(path: str) -> tuple[str, ModelArch]:
+    """A catalogue model, an HF folder, or a model the package ships (``assets``: SmolLM2 for the CPU run)."""
+    try:
+        return resolve_arch(path)
+    except ValueError:
+        from megatron_areal.assets import BUILTIN_MODELS, resolve_model
+
+        if path not in BUILTIN_MODELS:
+            raise
+        return path, resolve_arch(str(resolve_model(path)))[1]
+
+
+def _cpu_run(cfg: Config, mode: str) -> Scenario:
+    """The run on one CPU machine: ``server.count`` servers and ``cluster.cpu_dp`` x tp x pp trainer
+    processes, each a ``CPU_PROCESS``; the server's ``max_running`` caps its batch."""
+    sync = mode == "sync" or (mode == "config" and not cfg.staleness.overlap)
+    eta = 0 if sync else (cfg.staleness.eta or (4 if mode == "async" else 0))
+    par = cfg.parallel
+    name, arch = _arch(cfg.model.path)
+    sim = cfg.sim if cfg.sim.max_running else dataclasses.replace(cfg.sim, max_running=cfg.server.max_running)
+    return Scenario(model=arch, model_name=name, gpu=CPU_PROCESS, sim=sim,
+                    batch_size=cfg.rollout.batch_size, group_size=cfg.rollout.group_size,
+                    max_new_tokens=cfg.rollout.max_new_tokens, eta=eta, max_concurrent=cfg.rollout.max_concurrent,
+                    n_servers=cfg.server.count, server_tp=cfg.server.tp,
+                    train_gpus=cfg.cluster.cpu_dp * par.tp * par.pp, train_tp=par.tp, train_pp=par.pp,
+                    n_minibatches=cfg.ppo.n_minibatches, max_tokens_per_mb=cfg.parallel.max_tokens_per_mb,
+                    mem_fraction=cfg.server.mem_fraction, interruptible=cfg.sim.interruptible,
+                    gpus_per_node=cfg.server.count + cfg.cluster.cpu_dp)
