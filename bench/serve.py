@@ -1,4 +1,5 @@
-"""Output tokens/s: the embedded server vs transformers ``generate`` on the main job's rollouts.
+"""Output tokens/s: the embedded server vs transformers ``generate``, and vs vLLM's CPU build, on the
+main job's rollouts.
 
 The workload is the main job's: SmolLM2-135M-Instruct (fp32 on CPU), its arithmetic prompts through
 the chat template, ``--samples`` samples per prompt at temperature 0.7, responses long-tailed, up
@@ -9,6 +10,10 @@ to ``--max-new-tokens``. Both sides run 32 sequences at a time, with the same th
 - the server: every sample sent as its own request at t=0, as the rollout loop sends a group, with
   ``--max-running 32``.
 
+- vLLM (when its environment exists, ``scripts/install_vllm.sh``): the same requests to a vLLM CPU
+  server started as the launcher starts it (``launch/vllm.py``: eager, float32), ``--max-num-seqs 32``,
+  ``OMP_NUM_THREADS`` = ``--threads``: ``RESULT serve_vs_vllm`` is the embedded server's tokens/s over vLLM's.
+
 Sampling is the same distribution on both sides (temperature only, no top-k/top-p), so response
 lengths differ by chance, not by rule; useful tokens are counted up to and including EOS on both.
 Both sides are warmed up the same way (one batch of 32 sequences, 8 tokens) before timing.
@@ -17,6 +22,7 @@ Before timing, greedy outputs and their logprobs are checked against transformer
 if they differ the bench exits with status 1 and prints no RESULT.
 
     python bench/serve.py [--prompts 8] [--samples 8] [--max-new-tokens 256] [--threads 2]
+                          [--vllm-python .venv-vllm/bin/python | --vllm-python none]
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import signal
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,9 +41,14 @@ from megatron_areal.assets import smollm2_path
 from megatron_areal.data.arithmetic import arithmetic_train
 from megatron_areal.data.template import encode_prompt
 from megatron_areal.launch.embedded import start_embedded
+from megatron_areal.launch.server_process import start_server, stop_server
+from megatron_areal.launch.vllm import VLLMLaunch, launcher_command
+from megatron_areal.netutil import free_port
 from megatron_areal.rollout.client import RolloutClient
+from megatron_areal.rollout.vllm_client import VLLMClient
 
 BATCH = 32
+DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 TEMPERATURE = 0.7
 CHECK_PROMPTS, CHECK_TOKENS = 3, 24
 
@@ -48,6 +60,14 @@ def cpu_seconds(pid: int | None = None) -> float:
         return time.process_time()
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid`` and its live descendants (vLLM computes in a child, its engine core)."""
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    return sum(p.cpu_times().user + p.cpu_times().system for p in procs if p.is_running())
 
 
 def useful(ids: list[int], eos: set[int]) -> int:
@@ -105,8 +125,8 @@ async def server_outputs(client: RolloutClient, prompts: list[list[int]], sample
 
 
 async def run_server(url: str, hf: HF, prompts: list[list[int]], samples: int,
-                     max_new: int) -> tuple[float, list[int]]:
-    async with RolloutClient(url, timeout_s=3600) as client:
+                     max_new: int, client_class: type[RolloutClient] = RolloutClient) -> tuple[float, list[int]]:
+    async with client_class(url, timeout_s=3600) as client:
         await server_outputs(client, prompts[:max(1, BATCH // samples)], samples,
                              {"max_new_tokens": 8, "temperature": TEMPERATURE})  # warm-up, as transformers'
         start = time.perf_counter()
@@ -114,10 +134,11 @@ async def run_server(url: str, hf: HF, prompts: list[list[int]], samples: int,
         return time.perf_counter() - start, [useful(o, set(hf.eos)) for o in outs]
 
 
-async def check_greedy(url: str, hf: HF, prompts: list[list[int]]) -> list[str]:
+async def check_greedy(url: str, hf: HF, prompts: list[list[int]],
+                       client_class: type[RolloutClient] = RolloutClient) -> list[str]:
     """Greedy outputs and logprobs of the server against transformers; the differences found."""
     problems = []
-    async with RolloutClient(url, timeout_s=600) as client:
+    async with client_class(url, timeout_s=600) as client:
         got = await asyncio.gather(*(client.generate(p, {"max_new_tokens": CHECK_TOKENS, "temperature": 0})
                                      for p in prompts))
     for i, (p, res) in enumerate(zip(prompts, got, strict=True)):
@@ -142,6 +163,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (the main job's group size)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON),
+                   help="Python of the vLLM environment; 'none' skips the vLLM side")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server child on the way out
     torch.set_num_threads(args.threads)
@@ -187,6 +210,36 @@ def main() -> None:
               f"   {pct(lengths, 50):.0f}/{pct(lengths, 90):.0f}/{max(lengths)}")
     print(f"tokens per CPU second, server over transformers: {(sum(sv_len) / sv_cpu) / (sum(hf_len) / hf_cpu):.2f}")
     print(f"RESULT serve_vs_hf {(sum(sv_len) / sv_s) / (sum(hf_len) / hf_s):.2f}")
+    if args.vllm_python != "none" and Path(args.vllm_python).exists():
+        vl_s, vl_cpu, vl_len = run_vllm(args.vllm_python, path, hf, prompts, args)
+        n = sum(vl_len)
+        print(f"{'vLLM CPU server':24}{n:>7}{vl_s:>9.1f}{n / vl_s:>10.1f}{vl_cpu:>8.1f}{n / vl_cpu:>14.1f}"
+              f"   {pct(vl_len, 50):.0f}/{pct(vl_len, 90):.0f}/{max(vl_len)}   (load average {os.getloadavg()[0]:.1f})")
+        print(f"RESULT serve_vs_vllm {(sum(sv_len) / sv_s) / (n / vl_s):.2f}")
+    else:
+        print(f"no vLLM environment at {args.vllm_python} (scripts/install_vllm.sh): no serve_vs_vllm")
+
+
+def run_vllm(python: str, path: Path, hf: HF, prompts: list[list[int]],
+             args: argparse.Namespace) -> tuple[float, float, list[int]]:
+    """The same workload on a vLLM CPU server: greedy check, warm-up, timed run; seconds, CPU s, lengths."""
+    import tempfile
+
+    spec = VLLMLaunch(model_path=str(path), port=free_port(), python=python, context_length=1024,
+                      max_running=BATCH, threads=args.threads, seed=0)
+    log_path = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "server.log"
+    proc = start_server(launcher_command(spec), spec.url, log_path, timeout_s=1200)
+    try:
+        problems = asyncio.run(check_greedy(spec.url, hf, prompts[:CHECK_PROMPTS], VLLMClient))
+        if problems:
+            print(f"vLLM correctness check failed (log {log_path}), no serve_vs_vllm:\n  " + "\n  ".join(problems))
+            sys.exit(1)
+        cpu = tree_cpu_seconds(proc.pid)
+        seconds, lengths = asyncio.run(run_server(spec.url, hf, prompts, args.samples, args.max_new_tokens,
+                                                  VLLMClient))
+        return seconds, tree_cpu_seconds(proc.pid) - cpu, lengths
+    finally:
+        stop_server(proc)
 
 
 if __name__ == "__main__":
