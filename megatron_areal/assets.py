@@ -185,6 +185,15 @@ BUILTIN_MODELS = {
 }
 
 
+def prepared_model(name_or_path: str | Path) -> Path | None:
+    """The model's HF folder when it is there without preparing anything (``--dry-run`` must not convert a
+    model); None for a built-in not prepared yet, or a path that is not an HF folder."""
+    key = str(name_or_path)
+    folders = {"smollm2-135m": "smollm2-135m-instruct", **{f"tiny-{t}": f"tiny-{t}" for t in TINY_TYPES}}
+    path = cache_dir() / folders[key] if key in folders else Path(key).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
 def resolve_model(name_or_path: str | Path) -> Path:
     """A built-in model name -> its prepared folder; anything else must be an HF folder."""
     key = str(name_or_path)

@@ -25,6 +25,7 @@ from megatron_areal.rollout.buffer import Group, PutResult, ReplayBuffer
 from megatron_areal.rollout.client import ServerError
 from megatron_areal.rollout.config import RolloutConfig
 from megatron_areal.rollout.metrics import ThroughputWindow, batch_stats
+from megatron_areal.rollout.refusals import RefusalWatch
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser, generate_sample
 from megatron_areal.rollout.routing import ServerPool, ServerSlot
 from megatron_areal.rollout.sources import EpisodesLike, PromptLike, PromptSourceLike, ScorerLike
@@ -64,6 +65,8 @@ class RolloutLoop:
         self._run_id = uuid.uuid4().hex[:8]  # request ids stay unique across restarts
         self._exhausted = False
         self._error: BaseException | None = None
+        # twice what can be in flight: a refusal streak that long is the run's state, not a few bad prompts
+        self._refusals = RefusalWatch(max(16, 2 * cfg.max_concurrent))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._window: ThroughputWindow | None = None
         self._running: asyncio.Event | None = None
@@ -145,6 +148,12 @@ class RolloutLoop:
             log.error("group %d (prompt %d) failed and is skipped: %s",
                       gid, prompt.index, failed.exceptions[0])
             self.counters["sample_failures"] += 1
+            reason = self._refusals.refused(failed.exceptions[0])
+            if reason is not None and self._error is None:
+                self._error = RolloutError(f"every request of the last {self._refusals.limit} groups was refused "
+                                           f"for the same reason; the run cannot train: {reason}")
+        if group is not None:
+            self._refusals.succeeded()
         self._finish(gid, group)
 
     async def _generate_group(self, gid: int, prompt: PromptLike, version: int) -> Group:
