@@ -23,7 +23,8 @@ distributed optimizer, bf16 gradients and moments, remainders for the fp32 maste
 rounding); transformers' AdamW keeps bf16 weights, gradients and moments. Before timing, our
 logprobs are checked against fp32 transformers on the same tokens (in bf16: no further from them
 than transformers' own bf16 forward, with 1.5x slack); a mismatch beyond that exits non-zero
-without a RESULT. The last line is ``RESULT train_vs_hf <ours tokens/s / transformers tokens/s>``.
+without any RESULT (``bench/results.py``: the RESULT lines are printed at the end, once every check
+passed). The last line is ``RESULT train_vs_hf <ours tokens/s / transformers tokens/s>``.
 
 Token utilisation is real tokens / token slots computed (packed: micro-batches x budget; padded:
 micro-batches x batch x longest). Step times are medians over interleaved repeats.
@@ -43,6 +44,7 @@ import threading
 import time
 
 import torch
+from results import Results
 
 
 def long_tail(n: int, max_len: int, seed: int) -> list[int]:
@@ -143,12 +145,14 @@ def main() -> None:
     # the correctness reference: fp32 transformers (for a bf16 run, both sides are held to bf16's own error)
     fp32 = hf if dtype == torch.float32 else AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
     groups = init_parallel(1, 1, seed=args.seed, backend="gloo")
+    results = Results("train_step")
     if not args.skip_packing:
-        packing_bench(args, groups)
-    sys.exit(versus_transformers(args, groups, hf, fp32.eval()))
+        packing_bench(args, groups, results)
+    versus_transformers(args, groups, hf, fp32.eval(), results)
+    sys.exit(results.emit())
 
 
-def packing_bench(args, groups) -> None:
+def packing_bench(args, groups, results: Results) -> None:
     from megatron_areal.actor.config import OptimizerConfig
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.optim import build_train_state
@@ -191,8 +195,8 @@ def packing_bench(args, groups) -> None:
     ratio = statistics.median(times["padded"]) / statistics.median(times["packed"])
     ratio_sorted = statistics.median(times["sorted"]) / statistics.median(times["packed"])
     print(f"padded/packed step-time ratio {ratio:.2f}x; length-sorted padded/packed {ratio_sorted:.2f}x")
-    print(f"RESULT packing_speedup {ratio:.3f}")
-    print(f"RESULT packing_speedup_vs_sorted {ratio_sorted:.3f}")
+    results.add("packing_speedup", ratio)
+    results.add("packing_speedup_vs_sorted", ratio_sorted)
 
 
 class PeakRSS:
@@ -294,8 +298,9 @@ def state_mb(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
-def versus_transformers(args, groups, hf, fp32) -> int:
-    """Our Actor against plain transformers (``hf``) on SmolLM2-135M; returns the exit status."""
+def versus_transformers(args, groups, hf, fp32, results: Results) -> None:
+    """Our Actor against plain transformers (``hf``) on SmolLM2-135M; times the step only once our logprobs
+    passed the check against fp32 transformers."""
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.ppo_batch import sequence_advantages
@@ -315,8 +320,8 @@ def versus_transformers(args, groups, hf, fp32) -> int:
                   seed=args.seed, total_steps=100)
     load_hf_weights(actor.model, hf_dir, arch, 0, 1, optimizer=actor.optimizer)
     dtype = actor.dtype  # what our actor computes in (bf16 falls back to fp32 on CPUs without bf16 units)
-    if hf.dtype != dtype:
-        raise SystemExit(f"reference dtype {hf.dtype} != ours {dtype}")
+    if not results.check(hf.dtype == dtype, f"reference dtype {hf.dtype} != ours {dtype}"):
+        return
     hf.train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     print(f"SmolLM2-135M: model.dtype={args.dtype} -> both sides compute in {str(dtype).replace('torch.', '')}; "
@@ -343,9 +348,10 @@ def versus_transformers(args, groups, hf, fp32) -> int:
     print(f"logprobs against fp32 transformers: ours max |diff| {mine.max():.2e}, mean {mine.mean():.2e}; "
           f"transformers in {str(dtype).replace('torch.', '')}: max {base.max():.2e}, mean {base.mean():.2e} "
           f"(tolerance {tol_max:.3g} / {tol_mean:.3g})")
-    if not (mine.max() <= tol_max and mine.mean() <= tol_mean):
-        print("FAIL: our logprobs differ from transformers' beyond the tolerance; no RESULT", file=sys.stderr)
-        return 1
+    if not results.check(bool(mine.max() <= tol_max and mine.mean() <= tol_mean),
+                         f"our logprobs differ from fp32 transformers' beyond the tolerance (max {mine.max():.2e}, "
+                         f"mean {mine.mean():.2e}; tolerance {tol_max:.3g} / {tol_mean:.3g})"):
+        return
 
     batch = rl_batch(args.hf_sequences, args.seed)
     tokens = sum(len(t.input_ids) for t in batch)
@@ -388,8 +394,7 @@ def versus_transformers(args, groups, hf, fp32) -> int:
     print(f"ours with each sample's prompt packed whole (parallel.share_prompts: false) over transformers: "
           f"{rate['ours-unshared'] / rate['transformers']:.3f}; shared over unshared: "
           f"{rate['ours'] / rate['ours-unshared']:.3f}")
-    print(f"RESULT train_vs_hf {rate['ours'] / rate['transformers']:.3f}")
-    return 0
+    results.add("train_vs_hf", rate["ours"] / rate["transformers"])
 
 
 if __name__ == "__main__":
