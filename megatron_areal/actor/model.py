@@ -185,7 +185,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, sequence_pa
         # packed micro-batches differ in length, so pipeline stages exchange shapes per micro-batch;
         # the MoE dispatcher setting only satisfies a check that applies to MoE models
         use_cpu_initialization=not on_gpu, variable_seq_lengths=True,
-        # gloo delivers two batched isend/irecv to the same peer out of order (notes/megatron-cpu.md)
+        # gloo delivers two batched isend/irecv to the same peer out of order (patches/README.md)
         batch_p2p_comm=p2p_batched,
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,

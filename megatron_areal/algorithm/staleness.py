@@ -1,4 +1,4 @@
-"""The staleness gate's admission rule (DESIGN.md section 1). Pure arithmetic."""
+"""The staleness gate's admission rule (docs/design.md, "Staleness gate"). Pure arithmetic."""
 from __future__ import annotations
 
 

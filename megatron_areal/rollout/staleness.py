@@ -18,7 +18,7 @@ In-flight groups are not part of a saved state: a restore hands their prompts ba
 dataset, so a restored gate starts with ``running = 0``.
 
 ``accepted`` therefore counts groups trained so far plus those waiting in the buffer, which is
-what the capacity formula of DESIGN.md section 1 needs.
+what the capacity formula needs (docs/design.md, "Staleness gate").
 """
 from __future__ import annotations
 
