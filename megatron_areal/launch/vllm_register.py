@@ -1,17 +1,25 @@
-"""Register a vLLM server in the run directory once its ``/health`` answers (``launch/vllm.exec_server``
-starts this beside the server): ``python -m megatron_areal.launch.vllm_register DIR ID URL PID MODEL``.
+"""The watcher beside a vLLM server (``launch/vllm.exec_server`` starts it):
+``python -m megatron_areal.launch.vllm_register DIR ID URL PID MODEL``.
 
-Gives up (without registering) when the server's process is gone; the launcher reports that death.
+- Registers the server in the run directory once its ``/health`` answers (vLLM has no registration of its own).
+- Reaps what the server leaves behind: vLLM computes in child processes (engine core, workers) that
+  outlive an API server killed with SIGKILL and hold gigabytes; when ``PID`` is gone, the children it
+  had are killed, so a restarted server does not run beside its predecessor's engine.
+
+Exits once the server's process is gone (with 1 when it never became healthy).
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 import urllib.error
 import urllib.request
 
+import psutil
+
 from megatron_areal.server.cli import write_registration
+
+POLL_S = 1.0
 
 
 def healthy(url: str) -> bool:
@@ -23,23 +31,41 @@ def healthy(url: str) -> bool:
 
 
 def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped by the launcher, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    except PermissionError:
-        return True
-    return True
+
+
+def children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def reap(orphans: list[psutil.Process]) -> None:
+    """SIGKILL the server's former children that still run (``psutil`` checks each is the same process)."""
+    for proc in orphans:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 def main(argv: list[str]) -> int:
-    directory, server_id, url, pid, model = argv
-    while running(int(pid)):
-        if healthy(url):
-            write_registration(directory, server_id, {"url": url, "pid": int(pid), "model": model})
-            return 0
-        time.sleep(1.0)
-    return 1
+    directory, server_id, url, pid_text, model = argv
+    pid = int(pid_text)
+    registered, known = False, []
+    while running(pid):
+        known = children(pid) or known
+        if not registered and healthy(url):
+            write_registration(directory, server_id, {"url": url, "pid": pid, "model": model})
+            registered = True
+        time.sleep(POLL_S)
+    reap(known)
+    return 0 if registered else 1
 
 
 if __name__ == "__main__":
