@@ -97,8 +97,9 @@ def intel_openmp(python: str) -> Path | None:
 def exec_server(argv: list[str] | None = None) -> None:
     """Run in the vLLM environment by the launcher (``launch/commands.server_command``): set the server's
     environment (``K=V`` words; the API key from ``MEGATRON_AREAL_API_KEY`` as ``VLLM_API_KEY``), start a
-    watcher that registers the server in the run directory once its ``/health`` answers (vLLM has no
-    registration of its own, the embedded server has), then become the vLLM server (``exec``: same
+    watcher (``launch/vllm_register``) that registers the server in the run directory once its ``/health``
+    answers (vLLM has no registration of its own, the embedded server has) and reaps its engine
+    processes when it dies, then become the vLLM server (``exec``: same
     pid, so the launcher's supervision and restarts see the server itself)."""
     import argparse
     import os
@@ -121,9 +122,9 @@ def exec_server(argv: list[str] | None = None) -> None:
     env.update(word.split("=", 1) for word in args.env)
     if env.get(API_KEY_ENV):
         env["VLLM_API_KEY"] = env[API_KEY_ENV]
-    if args.register_dir and args.server_id:
-        subprocess.Popen([sys.executable, "-m", "megatron_areal.launch.vllm_register", args.register_dir,
-                          args.server_id, args.url, str(os.getpid()), args.model], start_new_session=True)
+    register = (args.register_dir, args.server_id) if args.register_dir and args.server_id else ("", "")
+    subprocess.Popen([sys.executable, "-m", "megatron_areal.launch.vllm_register", *register, args.url,
+                      str(os.getpid()), args.model], start_new_session=True)
     os.execvpe(server[0], server, env)
 
 

@@ -1,7 +1,8 @@
 """The watcher beside a vLLM server (``launch/vllm.exec_server`` starts it):
 ``python -m megatron_areal.launch.vllm_register DIR ID URL PID MODEL``.
 
-- Registers the server in the run directory once its ``/health`` answers (vLLM has no registration of its own).
+- Registers the server in the run directory ``DIR`` under ``ID`` once its ``/health`` answers (vLLM has no
+  registration of its own); an empty ``DIR`` registers nothing.
 - Reaps what the server leaves behind: vLLM computes in child processes (engine core, workers) that
   outlive an API server killed with SIGKILL and hold gigabytes; when ``PID`` is gone, the children it
   had are killed, so a restarted server does not run beside its predecessor's engine.
@@ -61,7 +62,8 @@ def main(argv: list[str]) -> int:
     while running(pid):
         known = children(pid) or known
         if not registered and healthy(url):
-            write_registration(directory, server_id, {"url": url, "pid": pid, "model": model})
+            if directory:
+                write_registration(directory, server_id, {"url": url, "pid": pid, "model": model})
             registered = True
         time.sleep(POLL_S)
     reap(known)
