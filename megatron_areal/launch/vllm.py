@@ -76,7 +76,7 @@ class VLLMLaunch:
             out.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
                        OMP_NUM_THREADS=str(self.threads))
             iomp = intel_openmp(self.python)
-            if iomp is not None:  # vLLM's CPU build expects Intel's OpenMP preloaded (its docs; notes/vllm-cpu.md)
+            if iomp is not None:  # vLLM's CPU build expects Intel's OpenMP preloaded (its docs; docs/backends.md)
                 out["LD_PRELOAD"] = str(iomp)
         return out
 
