@@ -8,7 +8,6 @@ launcher leaves nothing running. A config typo is refused before any process sta
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_areal.netutil import free_port
+from megatron_areal.netutil import free_port, port_free
 
 STEPS = 3
 ETA = 2
@@ -33,17 +32,6 @@ REQUIRED_TAGS = (
 )
 FRACTION_TAGS = ("rollout/interrupted_fraction", "train/clip_fraction", "perf/trainer_idle_fraction",
                  "perf/generator_idle_fraction", "eval/accuracy")
-
-
-def port_free(port: int) -> bool:
-    """Nothing listens on ``port`` (connections of a stopped server lingering in TIME_WAIT don't count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def tiny_config(run_dir: Path) -> dict:
@@ -139,7 +127,7 @@ def test_launcher_leaves_nothing_running(run: tuple) -> None:
     _, run_dir, _ = run
     plan = json.loads((run_dir / "plan.json").read_text())
     ports = [s["port"] for s in plan["servers"]]
-    assert ports and all(port_free(p) for p in ports), f"a server still holds its port: {ports}"
+    assert ports and all(port_free("127.0.0.1", p) for p in ports), f"a server still holds its port: {ports}"
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [(e["step"], e["label"], e["n"]) for e in evals] == [(0, "before", 8), (STEPS, "after", 8)]
 
