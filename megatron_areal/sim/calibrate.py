@@ -90,11 +90,21 @@ def _bisect(fn, lo: float, hi: float, target: float, iters: int, log_scale: bool
     return math.sqrt(lo * hi) if log_scale else (lo + hi) / 2
 
 
+def all_per_trained_token(scalars: dict[str, list[float]]) -> float:
+    """Tokens the actor computes on (prompts included) per trained (loss) token: the logged
+    ``perf/train_tokens_per_s`` counts loss tokens, the simulator's batches every token. 1 when the run
+    did not log both rates."""
+    if "perf/train_all_tokens_per_s" not in scalars or "perf/train_compute_tokens_per_s" not in scalars:
+        return 1.0
+    return max(1.0, statistics.fmean(a / max(c, 1e-9) for a, c in zip(scalars["perf/train_all_tokens_per_s"],
+                                                                    scalars["perf/train_compute_tokens_per_s"])))
+
+
 def _batch_shape(sc: Scenario, scalars: dict[str, list[float]]) -> tuple[float, float]:
-    """Tokens per trained batch as logged (rate x step time), and the sum of squared sequence
-    lengths (attention cost) of the workload's length law scaled to that token count."""
-    tokens = statistics.fmean(r * t for r, t in zip(scalars["perf/train_tokens_per_s"],
-                                                     scalars["perf/step_time_s"]))
+    """Tokens per trained batch as logged (rate x step time, prompts included), and the sum of squared
+    sequence lengths (attention cost) of the workload's length law scaled to that token count."""
+    tokens = all_per_trained_token(scalars) * statistics.fmean(
+        r * t for r, t in zip(scalars["perf/train_tokens_per_s"], scalars["perf/step_time_s"]))
     sim = sc.sim
     lengths = LengthSampler(sim.prompt_mean_tokens, sim.response_mean_tokens, sim.response_sigma,
                             sc.max_new_tokens, sim.seed)
@@ -123,6 +133,7 @@ class Calibration:
     predicted_step_time: float
     per_step_error: float  # mean |predicted - measured| / measured over aligned steps
     result: RunResult
+    measured_busy: dict[str, float] = dataclasses.field(default_factory=dict)  # side -> busy share, steady steps
 
     @property
     def step_time_error(self) -> float:
@@ -133,7 +144,13 @@ class Calibration:
         return (f"fitted: {fitted}\n"
                 f"step time: measured {self.measured_step_time:.3f} s, predicted "
                 f"{self.predicted_step_time:.3f} s ({100 * self.step_time_error:.1f}% off; "
-                f"per-step mean error {100 * self.per_step_error:.1f}%)")
+                f"per-step mean error {100 * self.per_step_error:.1f}%)\n"
+                f"busy: servers predicted {100 * self.result.gen_utilisation:.0f}%"
+                + (f", measured {100 * self.measured_busy['servers']:.0f}%" if "servers" in self.measured_busy else "")
+                + f"; trainer predicted {100 * self.result.train_utilisation:.0f}%"
+                + (f", measured {100 * self.measured_busy['trainer']:.0f}%" if "trainer" in self.measured_busy else "")
+                + f"\ngroups discarded untrained {100 * self.result.scenario.discard_fraction:.0f}%, responses "
+                f"{self.result.scenario.sim.response_mean_tokens:.0f} tokens before truncation (mean)")
 
 
 def _truncated_mean(mean: float, sigma: float, limit: int) -> float:
@@ -156,11 +173,8 @@ def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
         mean = _bisect(lambda m: -_truncated_mean(m, sim.response_sigma, sc.max_new_tokens), 1.0, 1e7, -target, 60,
                        log_scale=True)
         sim = dataclasses.replace(sim, response_mean_tokens=mean)
-        if "perf/train_all_tokens_per_s" in scalars and "perf/train_compute_tokens_per_s" in scalars:
-            # every token the actor computed on (prompts too) over the trained (response) tokens, per second
-            # of the same update
-            ratio = statistics.fmean(a / max(c, 1e-9) for a, c in zip(scalars["perf/train_all_tokens_per_s"],
-                                                                       scalars["perf/train_compute_tokens_per_s"]))
+        ratio = all_per_trained_token(scalars)
+        if ratio > 1.0:  # prompt + response over response tokens of the same trained batches
             sim = dataclasses.replace(sim, prompt_mean_tokens=max(1.0, target * (ratio - 1)))
     discard = 0.0
     if "rollout/filtered_groups" in scalars:
@@ -173,7 +187,8 @@ def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
 def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
     sc = run_workload(sc, scalars)
     gen_target = _busy_rate(scalars, "perf/gen_tokens_per_s", "perf/generator_idle_fraction")
-    train_target = _busy_rate(scalars, "perf/train_tokens_per_s", "perf/trainer_idle_fraction")
+    train_target = _busy_rate(scalars, "perf/train_tokens_per_s", "perf/trainer_idle_fraction") * \
+        all_per_trained_token(scalars)  # in the simulator's unit: every token of the batch
     sim = sc.sim
     if "perf/weight_sync_s" in scalars:
         bare = CostModel(sc.model, sc.gpu, dataclasses.replace(sim, update_overhead_s=0.0))
@@ -200,4 +215,7 @@ def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
     return Calibration(fitted={"decode_step_overhead_s": overhead, "train_mfu": mfu,
                                "update_overhead_s": sim.update_overhead_s},
                        measured_step_time=statistics.fmean(meas_steps),
-                       predicted_step_time=result.step_time, per_step_error=per_step, result=result)
+                       predicted_step_time=result.step_time, per_step_error=per_step, result=result,
+                       measured_busy={side: 1 - statistics.fmean(scalars[tag][w:] or scalars[tag])
+                                      for side, tag in (("servers", "perf/generator_idle_fraction"),
+                                                        ("trainer", "perf/trainer_idle_fraction")) if tag in scalars})
