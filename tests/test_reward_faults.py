@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_areal.reward import RewardConfig, RewardService, SandboxUnavailable
+from megatron_areal.reward.cgroup import find_base
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt install bubblewrap)")
 
@@ -298,6 +299,41 @@ def test_host_directories_are_not_in_the_sandbox(service: RewardService) -> None
     code = f"import os\ndef visible():\n    return [p for p in {hidden!r} if os.path.exists(p)]\n"
     reward, detail = _score(service, code, "v = visible()\nassert not v, v\n")
     assert reward == 1.0, detail
+
+
+MEMORY_SPLIT = r'''
+import os
+def children_holding(n, mb):
+    """How many of ``n`` children hold ``mb`` MB each (every page written) at the same time."""
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    for _ in range(n):
+        if os.fork() == 0:
+            try:
+                block = b"\x01" * (mb << 20)
+                os.write(ready_w, b"1")
+                os.read(done_r, 1)  # hold it until the parent has counted everyone
+            finally:
+                os._exit(0)
+    os.close(ready_w)
+    held = 0
+    while held < n:
+        if not os.read(ready_r, 1):
+            break  # every child is gone
+        held += 1
+    os.write(done_w, b"x" * n)
+    return held
+'''
+
+
+@pytest.mark.skipif(find_base() is None, reason="no writable memory cgroup here: the limit holds per process only")
+def test_memory_limit_holds_for_the_whole_sandbox(service: RewardService) -> None:
+    """Five children of 150 MB each stay under the 256 MB per-process limit but not under 256 MB
+    for the sandbox: the run must not hold all of them at once."""
+    reward, detail = _score(service, MEMORY_SPLIT, "assert children_holding(5, 150) == 5\n")
+    assert reward == 0.0, "5 x 150 MB held in a sandbox limited to 256 MB"
+    reward, detail = _score(service, MEMORY_SPLIT, "assert children_holding(2, 60) == 2\n")
+    assert reward == 1.0, f"two children of 60 MB fit in 256 MB: {detail}"
 
 
 # ---- 11. no bubblewrap: a clear error at start, naming the package ---------------------------

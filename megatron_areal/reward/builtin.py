@@ -4,7 +4,7 @@ from __future__ import annotations
 from megatron_areal.reward.arithmetic import verify_number
 from megatron_areal.reward.code import CodeVerifier
 from megatron_areal.reward.config import RewardConfig
-from megatron_areal.reward.math_answer import verify_math
+from megatron_areal.reward.math_answer import MathVerifier
 from megatron_areal.reward.registry import VerifierRegistry
 from megatron_areal.reward.sandbox import SandboxLimits
 
@@ -17,8 +17,9 @@ def sandbox_limits(config: RewardConfig) -> SandboxLimits:
 
 def default_registry(config: RewardConfig | None = None) -> VerifierRegistry:
     """A fresh registry with the built-in verifiers; callers may register more on it."""
+    config = config or RewardConfig()
     registry = VerifierRegistry()
-    registry.register("math", verify_math)
+    registry.register("math", MathVerifier(config.math_deadline_s))
     registry.register("arithmetic", verify_number)
-    registry.register("code", CodeVerifier(sandbox_limits(config or RewardConfig())))
+    registry.register("code", CodeVerifier(sandbox_limits(config)))
     return registry

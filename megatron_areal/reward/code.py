@@ -4,14 +4,14 @@
 ``entry_point`` (HumanEval style: the tests define ``check(candidate)``, called with that
 function) and ``prefix`` (the problem's code, put in front when the reply only gives a body).
 
-The reply and the tests run in separate processes of the sandbox (``harness.py``): the tests
-call the reply's functions through a pipe and see only plain data and opaque handles in return,
-and a pass is the test process's proof that the tests' code ran to its end, never an exit status.
-So exiting early (``os._exit``, ``sys.exit``, ``SystemExit``, ``atexit``, signals) scores 0.
-What it does not prevent: objects of the reply (not plain data) answer for their own ``==``,
-truth value and other operators, as they would in one process; tests that only check such
-objects can be fooled by them. Tests that rely on the reply mutating their arguments in place
-fail, because arguments cross as copies. See SECURITY.md.
+The reply and the tests run in separate processes of the sandbox (``harness.py``). The tests see
+the entry point (or, without one, the names they read but do not define), never a built-in's name;
+the prefix's own definitions come from the prefix. They call the reply's functions through a pipe
+and get back plain data rebuilt from built-in types, so their comparisons cannot be overridden.
+A pass is the test process's proof that the tests' code ran to its end, never an exit status,
+so exiting early scores 0. Tests that rely on the reply mutating their arguments in place fail,
+because arguments cross as copies, and so do replies whose functions return objects other than
+plain data. See SECURITY.md.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_areal.reward.registry import Verdict
-from megatron_areal.reward.sandbox import SandboxLimits, check_sandbox, run_answer
+from megatron_areal.reward.sandbox import SandboxLimits, SandboxTask, check_sandbox, run_task
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -32,9 +32,10 @@ def extract_code(response_text: str) -> str:
     return blocks[-1] if blocks else response_text
 
 
-def build_program(response_text: str, answer: Mapping[str, Any]) -> tuple[str, str]:
-    """The answer's source (the reply's code, after the prefix when it only gives a body) and
-    the tests' source (ending with ``check(entry_point)`` when there is one)."""
+def build_program(response_text: str, answer: Mapping[str, Any]) -> SandboxTask:
+    """The answer's source (the reply's code, after the prefix when it only gives a body), the
+    tests' source (ending with ``check(entry_point)`` when there is one), the prefix and the
+    entry point."""
     tests = answer.get("tests")
     if not isinstance(tests, str) or not tests.strip():
         raise ValueError("a code answer needs non-empty 'tests' source")
@@ -45,7 +46,7 @@ def build_program(response_text: str, answer: Mapping[str, Any]) -> tuple[str, s
         code = prefix + code  # a completion that continues the given signature
     if entry:
         tests = f"{tests}\n\ncheck({entry})"
-    return code + "\n", tests + "\n"
+    return SandboxTask(answer=code + "\n", tests=tests + "\n", prompt=prefix, entry_point=entry)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class CodeVerifier:
     def __call__(self, response_text: str, answer: Any) -> Verdict:
         if not isinstance(answer, Mapping):
             raise TypeError(f"a code answer must be a mapping with 'tests', got {type(answer).__name__}")
-        result = run_answer(*build_program(response_text, answer), self.limits)
+        result = run_task(build_program(response_text, answer), self.limits)
         return Verdict(1.0 if result.passed else 0.0, result.describe())
 
     def preflight(self) -> None:

@@ -10,35 +10,44 @@ process with its tests controls that process: it can exit early with status 0 (`
 code could use to report success. So the answer never runs in the test process:
 
 - The *test process* (this file, mode ``tests``) reads one JSON frame from stdin until EOF:
-  the answer's source, the tests' source, this file's source and a random nonce. It then makes
-  itself non-dumpable (``PR_SET_DUMPABLE`` 0: no other process of the same user may ptrace it,
-  read its memory or open its file descriptors through ``/proc``), starts the answer process and
-  runs the tests. Names the tests do not define (``candidate``, helper functions) are stand-ins
-  for the answer's objects; calling them, reading their attributes, comparing or iterating them
-  is a request to the answer process. Only when the tests' code has returned, and the answer
-  process never died or broke the protocol, does it write ``pass NONCE`` to its original stdout.
+  the answer's source, the tests' source, the task's prompt and entry point, this file's source
+  and a random nonce. It then makes itself non-dumpable (``PR_SET_DUMPABLE`` 0: no other process
+  of the same user may ptrace it, read its memory or open its file descriptors through
+  ``/proc``), starts the answer process and runs the tests. Only when the tests' code has
+  returned, and the answer process never died or broke the protocol, does it write
+  ``pass NONCE`` to its original stdout.
 - The *answer process* (mode ``answer``) is started after the frame was read, from a fresh
   interpreter (nothing of the test process's memory), with only its two pipes. It runs the
-  answer's code and then serves requests. Everything it returns crosses as JSON of plain data
-  (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, ``complex``, ``list``,
-  ``tuple``, ``set``, ``frozenset``, ``dict``) or as an opaque handle; its exceptions cross as
-  a type name and a message. Nothing it sends is ever executed by the test process.
+  answer's code and then serves calls. Nothing it sends is ever executed by the test process.
+
+What the tests see of the answer (``wanted_names``): the entry point when the task names one,
+else the names the tests read but never define; never a built-in's name or a dunder. The
+prompt's own definitions (HumanEval's helpers) are run in the test process from the task's
+prompt, not taken from the answer. The tests' namespace has the test process's own, untouched
+``builtins``. The answer's functions are opaque handles the tests can only call; a call's result
+crosses as JSON of plain data (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``,
+``complex``, ``list``, ``tuple``, ``set``, ``frozenset``, ``dict``; exact types, no
+subclasses) and is rebuilt from those built-in types by the test process, so every comparison
+the tests make runs the built-in types' code, never the answer's. Anything else returned (an
+instance of the answer's class, a generator, a numpy value) ends the tests as a failure that
+they cannot catch.
+The test process checks every message against what it asked for, so an answer that rewrites
+this file's functions in its own process can send only data it could have returned anyway.
 
 The parent (``sandbox.run_answer``) counts a pass only if the test process printed the nonce.
 """
 import builtins
 import json
-import operator
 import os
 import signal
 import struct
 import subprocess
+import symtable
 import sys
 import traceback
 
 MAX_MESSAGE = 16 << 20  # bytes of one message between the processes
 _HEADER = struct.Struct(">I")
-_TAGS = ("l", "t", "s", "f", "d", "b", "c", "i", "h")
 _BIG_INT_BITS = 8192  # larger ints travel as hex (decimal conversion of huge ints is capped)
 
 
@@ -142,21 +151,15 @@ def _decoder(resolve):
 
 # ---- the answer process -------------------------------------------------------------------
 
-def _call(function, args, kwargs):
-    return function(*args, **kwargs)
+class NotPlainData(TypeError):
+    """What the answer returned is not plain data, so it cannot cross to the tests. The tests
+    see it as the answer being gone (``AnswerGone``), which no ``except`` in them can catch."""
 
 
-_OPS = {
-    "call": _call, "getattr": getattr, "setattr": setattr, "len": len, "bool": bool, "hash": hash,
-    "repr": repr, "str": str, "int": int, "float": float, "index": operator.index, "iter": iter,
-    "next": next, "abs": abs, "neg": operator.neg, "pos": operator.pos, "invert": operator.invert,
-    "contains": operator.contains, "getitem": operator.getitem, "setitem": operator.setitem,
-    "delitem": operator.delitem, "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
-    "gt": operator.gt, "ge": operator.ge, "add": operator.add, "sub": operator.sub, "mul": operator.mul,
-    "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow,
-    "and": operator.and_, "or": operator.or_, "xor": operator.xor, "lshift": operator.lshift,
-    "rshift": operator.rshift, "matmul": operator.matmul,
-}
+def _refuse_object(value):
+    raise NotPlainData(f"the answer returned a {type(value).__module__}.{type(value).__qualname__}; only plain "
+                       "data (None, bool, int, float, complex, str, bytes and lists, tuples, sets and dicts of "
+                       "them, exact built-in types) crosses to the tests")
 
 
 def _describe(error):
@@ -167,9 +170,9 @@ def _describe(error):
 
 
 def serve_answer(requests, replies):
-    """Run the answer, send its globals, then answer requests until EOF. Exceptions of the
-    answer's code are reported; BaseExceptions (SystemExit, ...) end this process, which the
-    test process sees as the answer being gone."""
+    """Run the answer, send the names the tests asked for, then answer calls until EOF.
+    Exceptions of the answer's code are reported; BaseExceptions (SystemExit, ...) end this
+    process, which the test process sees as the answer being gone."""
     objects = []
 
     def handle(value):
@@ -181,21 +184,15 @@ def serve_answer(requests, replies):
             raise ValueError(f"unknown handle {index}")
         return objects[index]
 
-    def encode(value):
-        try:
-            return _encode(value, handle)
-        except RecursionError:  # a container that contains itself, or is very deep
-            return {"h": handle(value)}
-
     hook = _decoder(resolve)
     first = _receive(requests, hook)
-    if first is None or first[0] != "answer":
+    if first is None or first[0] != "answer" or len(first) != 3:
         return
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
         exec(compile(first[1], "<answer>", "exec"), namespace)
-        names = [[k, encode(v)] for k, v in namespace.items() if not k.startswith("__")]
-        _send(replies, ["ready", {"d": names}])
+        names = [[k, _encode(namespace[k], handle)] for k in first[2] if k in namespace]
+        _send(replies, ["names", {"d": names}])
     except Exception as error:
         traceback.print_exc()
         _send(replies, ["raise"] + _describe(error))
@@ -205,13 +202,45 @@ def serve_answer(requests, replies):
         if request is None:
             return
         try:
-            reply = ["ok", encode(_OPS[request[1]](*request[2:]))]
+            if request[:2] != ["op", "call"] or len(request) != 5:
+                raise ValueError("malformed request")
+            function, args, kwargs = request[2:]
+            reply = ["ok", _encode(function(*args, **kwargs), _refuse_object)]
+        except NotPlainData as error:
+            reply = ["refused", str(error)]
+        except RecursionError:  # a container that contains itself, or is very deep
+            reply = ["refused", "the answer returned a container too deep to cross to the tests"]
         except Exception as error:
             reply = ["raise"] + _describe(error)
         _send(replies, reply)
 
 
 # ---- the test process ---------------------------------------------------------------------
+
+def wanted_names(tests, entry_point, prompt_names):
+    """The names the tests may take from the answer: the entry point when the task has one,
+    else every name the tests read but never bind that is not a built-in, a dunder or
+    defined by the task's prompt."""
+    if entry_point:
+        return [entry_point]
+    table = symtable.symtable(tests, "<tests>", "exec")
+    bound, read = set(), set()
+
+    def visit(scope):
+        for symbol in scope.get_symbols():
+            name = symbol.get_name()
+            module_level = scope is table or symbol.is_declared_global()
+            if module_level and (symbol.is_assigned() or symbol.is_imported() or symbol.is_namespace()):
+                bound.add(name)
+            if symbol.is_referenced() and (scope is table or symbol.is_global()):
+                read.add(name)
+        for child in scope.get_children():
+            visit(child)
+
+    visit(table)
+    excluded = bound | set(dir(builtins)) | set(prompt_names)
+    return sorted(n for n in read - excluded if not (n.startswith("__") and n.endswith("__")))
+
 
 class _Answer:
     """The test process's end of the pipes to the answer process."""
@@ -225,21 +254,31 @@ class _Answer:
         os.close(req_r)
         os.close(rep_w)
         self.gone = None  # why the answer process can no longer be trusted to answer, once it can't
-        self.hook = _decoder(Remote)
+        self.names_hook = _decoder(Remote)  # only the names the tests asked for may be handles
+        self.data_hook = _decoder(self._no_handles)  # a call's result is plain data, nothing else
 
-    def exchange(self, message):
+    def _no_handles(self, rid):
+        raise ValueError("a handle where only plain data may cross")
+
+    def broken(self, why):
+        self.gone = f"the answer's process {why} before the tests finished"
+        return AnswerGone(self.gone)
+
+    def exchange(self, message, hook):
         if self.gone:
             raise AnswerGone(self.gone)
         try:
             _send(self.requests, message)
-            reply = _receive(self.replies, self.hook)
+            reply = _receive(self.replies, hook)
         except Exception as error:  # a closed pipe, or a reply that does not decode
-            reply, problem = None, f"broke the protocol ({type(error).__name__}: {error})"
-        else:
-            problem = None
-        if reply is None or reply[0] not in ("ok", "ready", "raise"):
-            self.gone = f"the answer's process {problem or self._ended()} before the tests finished"
-            raise AnswerGone(self.gone)
+            raise self.broken(f"broke the protocol ({type(error).__name__}: {error})") from None
+        if reply is None:
+            raise self.broken(self._ended())
+        if reply[0] == "raise" and len(reply) == 3 and isinstance(reply[1], str) and isinstance(reply[2], str):
+            raise _rebuild(reply[1], reply[2])
+        if reply[0] == "refused" and len(reply) == 2:
+            # Not an exception the tests could catch (``except TypeError`` expecting one): it fails them.
+            raise self.broken(f"returned what cannot cross: {str(reply[1])[:500]}")
         return reply
 
     def _ended(self):
@@ -249,19 +288,26 @@ class _Answer:
             return "stopped answering"
         return f"ended (exit code {code})"
 
-    def request(self, *message):
-        reply = self.exchange(["op"] + list(message))
-        if reply[0] == "ok" and len(reply) == 2:
-            return reply[1]
-        if reply[0] == "raise" and len(reply) == 3:
-            raise _rebuild(reply[1], reply[2])
-        self.gone = "the answer's process broke the protocol"
-        raise AnswerGone(self.gone)
+    def names(self, source, wanted):
+        """The answer's values of ``wanted``; a reply naming anything else breaks the protocol."""
+        reply = self.exchange(["answer", source, wanted], self.names_hook)
+        if reply[0] != "names" or len(reply) != 2 or type(reply[1]) is not dict:
+            raise self.broken("broke the protocol (no names)")
+        values = reply[1]
+        if not all(type(k) is str and k in wanted for k in values):
+            raise self.broken(f"sent names the tests did not ask for ({sorted(map(str, values))[:10]})")
+        return values
+
+    def call(self, rid, args, kwargs):
+        reply = self.exchange(["op", "call", {"h": rid}, _arg(list(args)), _arg(dict(kwargs))], self.data_hook)
+        if reply[0] != "ok" or len(reply) != 2:
+            raise self.broken("broke the protocol")
+        return reply[1]
 
 
 def _rebuild(name, message):
     """The answer's exception as a built-in exception of the same type when there is one."""
-    kind = getattr(builtins, str(name), None)
+    kind = getattr(builtins, name, None)
     if isinstance(kind, type) and issubclass(kind, Exception):
         try:
             return kind(message) if message else kind()
@@ -278,18 +324,16 @@ def _arg(value):
 
 
 def _handle_of(value):
-    if isinstance(value, Remote):
+    if type(value) is Remote:
         return object.__getattribute__(value, "_rid")
     raise TypeError(f"the tests passed a {type(value).__name__} to the answer; only plain data and "
-                    "the answer's own objects cross to the answer's process")
-
-
-def _op(name, *args):
-    return _ANSWER.request(name, *[_arg(a) for a in args])
+                    "the answer's own functions cross to the answer's process")
 
 
 class Remote:
-    """One of the answer's objects, as seen by the tests."""
+    """One of the answer's functions, as seen by the tests: it can be called, nothing else.
+    Its equality and hash are this process's identity; it has no truth value, so a test
+    cannot mistake a function for a result."""
 
     __slots__ = ("_rid",)
 
@@ -297,36 +341,13 @@ class Remote:
         object.__setattr__(self, "_rid", rid)
 
     def __call__(self, *args, **kwargs):
-        return _op("call", self, list(args), dict(kwargs))
+        return _ANSWER.call(object.__getattribute__(self, "_rid"), args, kwargs)
 
-    def __getattr__(self, name):
-        return _op("getattr", self, name)
+    def __bool__(self):
+        raise TypeError("an object of the answer has no truth value in the tests")
 
-    def __setattr__(self, name, value):
-        _op("setattr", self, name, value)
-
-    def __iter__(self):
-        iterator = _op("iter", self)
-        while True:
-            try:
-                yield _op("next", iterator)
-            except StopIteration:
-                return
-
-
-def _forward(name, reflected=False):
-    if reflected:
-        return lambda self, other: _op(name, other, self)
-    return lambda self, *args: _op(name, self, *args)
-
-
-for _name in ("len", "bool", "hash", "repr", "str", "int", "float", "index", "abs", "neg", "pos", "invert",
-              "contains", "getitem", "setitem", "delitem", "eq", "ne", "lt", "le", "gt", "ge", "add", "sub",
-              "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul"):
-    setattr(Remote, f"__{_name}__", _forward(_name))
-    if _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
-                 "rshift", "matmul"):
-        setattr(Remote, f"__r{_name}__", _forward(_name, reflected=True))
+    def __repr__(self):
+        return f"<the answer's object #{object.__getattribute__(self, '_rid')}>"
 
 
 def _make_private():
@@ -349,14 +370,19 @@ def _read_frame():
 
 def run_tests(frame):
     global _ANSWER
-    _ANSWER = _Answer(sys.executable, frame["runner"])
-    reply = _ANSWER.exchange(["answer", frame["answer"]])
-    if reply[0] == "raise":
-        raise _rebuild(reply[1], reply[2])
     namespace = {"__name__": "__main__", "__builtins__": builtins}
-    if reply[0] != "ready" or not isinstance(reply[1], dict):
-        raise AnswerGone("the answer's process broke the protocol")
-    namespace.update(reply[1])
+    prompt, entry_point = frame.get("prompt") or "", frame.get("entry_point") or None
+    try:
+        prompt_code = compile(prompt, "<prompt>", "exec") if prompt else None
+    except SyntaxError:  # a prompt that is only the start of a program: nothing of it runs here
+        prompt_code = None
+    if prompt_code is not None:
+        exec(prompt_code, namespace)  # the task's own helpers, from the task, not from the answer
+    wanted = wanted_names(frame["tests"], entry_point,
+                          namespace if prompt_code is not None else ())
+    _ANSWER = _Answer(sys.executable, frame["runner"])
+    namespace.update(_ANSWER.names(frame["answer"], wanted))
+    namespace["__builtins__"] = builtins
     exec(compile(frame["tests"], "<tests>", "exec"), namespace)
     if _ANSWER.gone:
         raise AnswerGone(_ANSWER.gone)

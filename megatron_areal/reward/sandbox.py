@@ -9,10 +9,12 @@ random, urandom, tty), read-only; a size-limited ``/dev/shm``; a private size-li
 namespace holds only its own loopback, so no abstract socket or TCP port of the host is either.
 New network, PID, IPC, UTS, cgroup and user namespaces; no inherited environment.
 
-Limits (setrlimit before exec): CPU seconds, address space, file size, and the number of
-processes of the sandbox user. The wall-clock limit kills bubblewrap's process group; because
-the sandbox has its own PID namespace and bubblewrap's init dies with its parent, the whole
-process tree goes with it.
+Limits: memory for the whole sandbox (a cgroup per run, ``cgroup.py``, where the service may make
+one), and per process (setrlimit before exec) CPU seconds, address space, file size, and the
+number of processes of the sandbox user. At the end of a run, or at the wall-clock limit, the
+sandbox's PID-namespace init is killed, and so the kernel kills every process of the namespace;
+``run_task`` returns only after that init has exited, which the kernel allows only once every
+other process of the namespace is gone, so no process of one answer outlives its verdict.
 
 RLIMIT_NPROC is not enforced for root, so when the service runs as root the sandbox runs as
 ``nobody``. The interpreter must then be executable by ``nobody``: a Python installed under
@@ -31,6 +33,7 @@ import logging
 import os
 import resource
 import secrets
+import select
 import shutil
 import signal
 import stat
@@ -39,6 +42,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_areal.reward.cgroup import SandboxCgroup, find_base
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,7 @@ _STDOUT_LIMIT = 1 << 20  # the proof is one short line; anything else there is n
 _HARNESS = Path(__file__).with_name("harness.py")
 _SYSTEM_DIRS = ("/usr", "/etc")
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_TREE_GONE_S = 60.0  # how long the kernel may take to empty the sandbox's PID namespace
 INSTALL_HINT = ("install the package 'bubblewrap' (Debian/Ubuntu: apt install bubblewrap; Fedora/RHEL: "
                 "dnf install bubblewrap); scripts/install.sh installs Python packages only")
 
@@ -68,10 +74,22 @@ class SandboxLimits:
 
 
 @dataclass(frozen=True)
+class SandboxTask:
+    """What one run needs: the answer's source, the tests' source, and the task's prompt and
+    entry point, which decide what the tests see of the answer (``harness.wanted_names``)."""
+
+    answer: str
+    tests: str
+    prompt: str = ""
+    entry_point: str | None = None
+
+
+@dataclass(frozen=True)
 class SandboxResult:
     returncode: int | None  # None when the wall-clock limit killed it
     stderr_tail: str
     proven: bool = False  # the test process printed this run's nonce: the tests' code ran to its end
+    oom_kills: int = 0  # processes the kernel killed at the sandbox's memory limit (cgroup only)
 
     @property
     def passed(self) -> bool:
@@ -83,6 +101,8 @@ class SandboxResult:
             return "tests passed"
         if self.returncode is None:
             return "killed at the wall-clock limit"
+        if self.oom_kills:
+            return f"{self.oom_kills} process(es) killed at the sandbox's memory limit"
         if self.returncode < 0:
             return f"killed by signal {signal.Signals(-self.returncode).name}"
         last = self.stderr_tail.strip().splitlines()[-1:] or [""]
@@ -165,10 +185,10 @@ def _system_binds(python: str) -> list[str]:
     return args
 
 
-def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int) -> list[str]:
+def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int, info_fd: int) -> list[str]:
     bwrap = check_sandbox_available()
     return [
-        bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+        bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
         *_system_binds(python),
         "--dev", "/dev", "--size", str(shm_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
         "--proc", "/proc",
@@ -180,57 +200,116 @@ def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int) -> list[str]:
     ]
 
 
-def _limiter(limits: SandboxLimits, max_procs: int):
-    def apply() -> None:  # runs in the child between fork and exec, after the uid switch
+def _limiter(limits: SandboxLimits, max_procs: int, cgroup: SandboxCgroup | None, uid: int):
+    def apply() -> None:  # runs in the child between fork and exec
+        if cgroup is not None:
+            cgroup.join()  # first, while privileged: every descendant is born inside
         mb = 1024 * 1024
         for kind, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_mb * mb),
                             (resource.RLIMIT_FSIZE, limits.file_mb * mb), (resource.RLIMIT_CORE, 0),
                             (resource.RLIMIT_NPROC, max_procs)):
             resource.setrlimit(kind, (value, value))
-        # If the worker holding this sandbox is killed, bubblewrap (and so the sandbox) dies too.
+        if uid != os.geteuid():
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        # Last: a change of credentials clears it. If the worker holding this sandbox is killed,
+        # bubblewrap (and so the sandbox) dies too.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     return apply
 
 
 def run_answer(answer: str, tests: str, limits: SandboxLimits) -> SandboxResult:
-    """Run ``tests`` against ``answer`` in the sandbox; never raises for anything either does.
+    """Run ``tests`` against ``answer``, which gives the tests every name they read but do not define."""
+    return run_task(SandboxTask(answer, tests), limits)
+
+
+def run_task(task: SandboxTask, limits: SandboxLimits) -> SandboxResult:
+    """Run the task's tests against its answer in the sandbox; never raises for anything either does.
 
     The nonce goes in the frame on stdin, which the test process reads to its end before it
-    starts the answer's process; the proof comes back on stdout."""
+    starts the answer's process; the proof comes back on stdout. Returns only once every process
+    of the sandbox is gone."""
     uid = _sandbox_uid()
     # The limit counts every process of the user; allow this run ``max_processes`` more.
     max_procs = _count_processes(uid) + limits.max_processes + 3  # + bwrap, its init, the test process
     mb = 1024 * 1024
     python = choose_python(limits.python)
-    cmd = bwrap_command(python, 4 * limits.file_mb * mb, limits.file_mb * mb)
     nonce = secrets.token_hex(32)
-    frame = json.dumps({"nonce": nonce, "answer": answer, "tests": tests, "runner": _HARNESS.read_text()})
-    switch = {"user": uid, "group": uid, "extra_groups": []} if uid != os.geteuid() else {}
-    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
-                                cwd="/", start_new_session=True, preexec_fn=_limiter(limits, max_procs),
-                                **switch)
-        try:
-            proc.communicate(frame.encode(), timeout=limits.wall_s)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            _kill_group(proc)
-        stdout.seek(0)
-        proven = f"pass {nonce}\n".encode() in stdout.read(_STDOUT_LIMIT)
-        stderr.seek(0, os.SEEK_END)
-        stderr.seek(max(0, stderr.tell() - 4 * _STDERR_TAIL))
-        tail = stderr.read()[-_STDERR_TAIL:].decode(errors="replace")
-    return SandboxResult(code, tail, proven)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
+    frame = json.dumps({"nonce": nonce, "answer": task.answer, "tests": task.tests, "prompt": task.prompt,
+                        "entry_point": task.entry_point, "runner": _HARNESS.read_text()})
+    base = find_base()
+    cgroup = SandboxCgroup(base, limits.memory_mb * mb) if base is not None else None
+    info_r, info_w = os.pipe()
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+        cmd = bwrap_command(python, 4 * limits.file_mb * mb, limits.file_mb * mb, info_w)
+        with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, pass_fds=(info_w,),
+                                    cwd="/", start_new_session=True,
+                                    preexec_fn=_limiter(limits, max_procs, cgroup, uid))
+            os.close(info_w)
+            info_w = -1
+            init = _open_init(info_r, proc)
+            try:
+                proc.communicate(frame.encode(), timeout=limits.wall_s)
+                code: int | None = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                _kill_tree(proc, init)
+            stdout.seek(0)
+            proven = f"pass {nonce}\n".encode() in stdout.read(_STDOUT_LIMIT)
+            stderr.seek(0, os.SEEK_END)
+            stderr.seek(max(0, stderr.tell() - 4 * _STDERR_TAIL))
+            tail = stderr.read()[-_STDERR_TAIL:].decode(errors="replace")
+        return SandboxResult(code, tail, proven, cgroup.oom_kills() if cgroup else 0)
+    finally:
+        os.close(info_r)
+        if info_w >= 0:
+            os.close(info_w)
+        if cgroup is not None:
+            cgroup.remove()
+
+
+def _open_init(info_r: int, proc: subprocess.Popen) -> int | None:
+    """A pidfd of the sandbox's PID-namespace init, from bubblewrap's ``--info-fd`` report;
+    None when bubblewrap failed before starting it."""
+    data = b""
+    while not data.rstrip().endswith(b"}"):
+        chunk = os.read(info_r, 4096)  # bubblewrap writes it once the init exists, or closes the pipe
+        if not chunk:
+            return None
+        data += chunk
+    try:
+        pid = int(json.loads(data)["child-pid"])
+        return os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, ProcessLookupError) as e:
+        logger.warning("bubblewrap's report of its init (%r) is unusable: %s", data[:200], e)
+        return None
+
+
+def _kill_tree(proc: subprocess.Popen, init: int | None) -> None:
+    """Kill the sandbox and wait until the kernel has removed all its processes.
+
+    Killing the PID namespace's init makes the kernel kill every process in the namespace, and the
+    init itself exits (its pidfd becomes readable) only after all of them have been reaped, so
+    waiting on it needs no polling and holds however loaded the machine is."""
+    try:
+        if init is not None:
+            try:
+                signal.pidfd_send_signal(init, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        if init is not None and not select.select([init], [], [], _TREE_GONE_S)[0]:
+            raise RuntimeError(f"the sandbox's processes were still alive {_TREE_GONE_S:.0f}s after SIGKILL")
+    finally:
+        if init is not None:
+            os.close(init)
 
 
 def check_sandbox(limits: SandboxLimits) -> None:
