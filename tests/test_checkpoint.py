@@ -257,3 +257,105 @@ def test_a_save_writes_the_state_without_copying_it(tiny_llama, tmp_path):
     # each tensor written once with its headers (1.15x for this tiny model), not the storage it is a view of (a
     # weight's storage is the whole DDP buffer: that would be about a layer's count of times the state)
     assert got["state"] <= got["written"] < 1.5 * got["state"], got
+
+
+# ---------------------------------------------------------------- damaged checkpoints and a full disk
+
+
+def _capture_log(name: str) -> list[str]:
+    """Messages of logger ``name`` at INFO and above, collected in this (worker) process."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Collect())
+    return messages
+
+
+def run_resumed_logged(hf_dir: str, root: str) -> dict:
+    messages = _capture_log("megatron_areal.checkpoint.training")
+    out = run_resumed(hf_dir, root, 2, 2)
+    return {**out, "log": messages}
+
+
+def _truncate_half(path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damaged", ["a tensor file", "the tensor index", "the common state"])
+def test_resume_skips_a_truncated_newest_checkpoint(pool, tiny_llama, reference, tmp_path, damaged):
+    """A node died while the newest checkpoint was copied: resume names it, says why, and takes the
+    intact previous one (whose weights are the saved ones)."""
+    import shutil
+
+    root, ref = reference
+    intact = latest_checkpoint(root)
+    shutil.copytree(intact, tmp_path / "step_00000001")
+    newest = tmp_path / "step_00000002"
+    shutil.copytree(intact, newest)
+    victim = {"a tensor file": max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size),
+              "the tensor index": newest / ".metadata", "the common state": newest / "common.pt"}[damaged]
+    _truncate_half(victim)
+    got = pool.run(run_resumed_logged, str(tiny_llama), str(tmp_path))[0]
+    assert got["step"] == 1
+    assert _max_diff(got["loaded"], ref["saved"]) == 0.0
+    skipped = [m for m in got["log"] if "step_00000002" in m and "skipp" in m]
+    assert skipped and victim.name in skipped[0], got["log"]
+
+
+def run_save_on_full_disk(hf_dir: str, root: str, filler_mb_after_first: float) -> dict:
+    """One rank: save step 1, fill the disk but for part of a checkpoint's size, try to save step 2."""
+    from megatron_areal.actor.parallel import teardown_parallel
+    from megatron_areal.checkpoint.training import Checkpointer
+
+    arch, groups, actor = _actor(hf_dir, 1, 1, seed=1)
+    ckpt = Checkpointer(root, arch, groups, keep=2, hf_dir=hf_dir)
+    first = ckpt.save(1, actor.model, actor.optimizer, actor.scheduler, {"step": 1})
+    size = sum(f.stat().st_size for f in first.rglob("*") if f.is_file())
+    free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+    with open(os.path.join(root, "filler"), "wb") as f:  # leave half a checkpoint's room
+        f.write(b"\0" * max(0, free - size // 2))
+    try:
+        ckpt.save(2, actor.model, actor.optimizer, actor.scheduler, {"step": 2})
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reads what the user is told
+        error = f"{type(e).__name__}: {e}"
+    os.remove(os.path.join(root, "filler"))
+    names = sorted(p.name for p in ckpt.root.iterdir())
+    latest = ckpt.latest()
+    teardown_parallel()
+    return {"error": error, "names": names, "latest": str(latest), "size": size}
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 24 MiB tmpfs: a real filesystem that fills up (mounting needs root; elsewhere the test is skipped)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tiny_llama, small_tmpfs):
+    root = small_tmpfs / "ckpts"
+    with WorkerPool(1, timeout_s=300) as one:
+        got = one.run(run_save_on_full_disk, str(tiny_llama), str(root), 0.5)[0]
+    assert got["error"] is not None, got
+    assert "no space left on device" in got["error"].lower() and str(root) in got["error"], got["error"]
+    assert got["latest"].endswith("step_00000001"), got
+    assert got["names"] == ["step_00000001"], got  # the failed save's temporary folder is gone too

@@ -14,7 +14,11 @@ One checkpoint is one ``megatron.core.dist_checkpointing`` directory ``<root>/st
 
 Saving is atomic: ranks write into ``<root>/.step_<N>.tmp`` and rank 0 renames it once all ranks
 are done, then deletes all but the newest ``keep``. A crash mid-save leaves the previous
-checkpoints untouched and the temporary directory is ignored (and removed by the next save).
+checkpoints untouched and the temporary directory is ignored (and removed by the next save); a
+save that fails (a full disk: ``write_error.py``) removes it at once and says why.
+
+Resuming takes the newest checkpoint whose files are whole (``verify.py``): one cut short by a
+node that died mid-copy is skipped with a warning naming the file, and the previous one is used.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ import torch.distributed as dist
 
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.checkpoint import dist_ckpt
+from megatron_areal.checkpoint.verify import checkpoint_damage
+from megatron_areal.checkpoint.write_error import CheckpointWriteError, describe_write_failure
 from megatron_areal.heap import release_freed_memory
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.hf_io import HFReader
@@ -61,8 +67,26 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest finished checkpoint under ``root`` (whole or not: see ``newest_intact_checkpoint``)."""
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def newest_intact_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint under ``root`` whose files are whole; each newer damaged one is logged with why it is
+    skipped. Raises ``CheckpointReadError`` when checkpoints exist but none is whole (starting over silently would
+    discard the run)."""
+    skipped = []
+    for _, path in reversed(list_checkpoints(root)):
+        damage = checkpoint_damage(path)
+        if damage is None:
+            return path
+        log.warning("skipping checkpoint %s: %s; trying the previous one", path, damage)
+        skipped.append(f"{path.name}: {damage}")
+    if skipped:
+        raise dist_ckpt.CheckpointReadError(f"{root}: no checkpoint is whole ({'; '.join(skipped)}); "
+                                            "set checkpoint.resume=false to start over")
+    return None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -297,9 +321,8 @@ class Checkpointer:
 
         ``extra`` is the trainer's own state (policy version, dataset position, replay buffer):
         plain Python data and tensors, pickled once by rank 0, so it must be equal on all ranks.
+        A failed write raises ``CheckpointWriteError`` saying why (no space left on device, and where).
         """
-        from megatron.core import dist_checkpointing
-
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".step_{step:08d}.tmp"
         if dist.get_rank() == 0:
@@ -307,16 +330,12 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         self._barrier()
-        with _grad_buffers_released(model):
-            with _fp32_masters(optimizer), _written_in_place():
-                state = self._state(model, optimizer, scheduler, is_loading=False, with_rng=True)
-                state["extra"] = extra or {}
-                state["step"] = step
-                dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
-                del state
-            # the fp32 masters are remainders again (``del state``: it referenced them too): their memory goes
-            # back before the gradient buffers return, or the allocator keeps it beside them (+0.5 GiB for SmolLM2-135M)
-            release_freed_memory()
+        try:
+            self._write(step, tmp, model, optimizer, scheduler, extra)
+        except CheckpointWriteError:
+            if dist.get_rank() == 0:  # all ranks failed together (the writer's results are gathered): free the disk
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._barrier()
         if dist.get_rank() == 0:
             g = self.groups
@@ -329,6 +348,31 @@ class Checkpointer:
         log.info("saved checkpoint %s", final)
         return final
 
+    def _write(self, step: int, tmp: Path, model: list[torch.nn.Module], optimizer: Any, scheduler: Any,
+               extra: dict[str, Any] | None) -> None:
+        from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        with _grad_buffers_released(model):
+            with _fp32_masters(optimizer), _written_in_place():
+                state = self._state(model, optimizer, scheduler, is_loading=False, with_rng=True)
+                state["extra"] = extra or {}
+                state["step"] = step
+                try:
+                    dist_checkpointing.save(state, str(tmp), content_metadata=dict(_OPTIMIZER_META))
+                except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+                    raise CheckpointWriteError(describe_write_failure(e, tmp, self.latest_size())) from e
+                finally:
+                    del state
+            # the fp32 masters are remainders again (``del state``: it referenced them too): their memory goes
+            # back before the gradient buffers return, or the allocator keeps it beside them (+0.5 GiB for SmolLM2-135M)
+            release_freed_memory()
+
+    def latest_size(self) -> int | None:
+        """Bytes of the newest checkpoint: about what the next save writes."""
+        latest = self.latest_finished()
+        return sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) if latest else None
+
     def _same_layout(self, path: Path) -> bool:
         meta = dist_ckpt.read_meta(path)
         saved = (meta.get("saved_tp"), meta.get("saved_pp"), meta.get("saved_dp"))
@@ -340,8 +384,23 @@ class Checkpointer:
         for stale in self.root.glob(".step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
 
-    def latest(self) -> Path | None:
+    def latest_finished(self) -> Path | None:
         return latest_checkpoint(self.root)
+
+    def latest(self) -> Path | None:
+        """The checkpoint to resume from: the newest whose files are whole (rank 0 decides for all ranks, so they
+        load the same one)."""
+        choice: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                choice[0] = newest_intact_checkpoint(self.root)
+            except dist_ckpt.CheckpointReadError as e:  # every rank raises it, none waits for the others
+                choice[0] = e
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], Exception):
+            raise choice[0]
+        return choice[0]
 
     def load(self, path: str | Path, model: list[torch.nn.Module], optimizer: Any = None, scheduler: Any = None
              ) -> tuple[int, dict[str, Any]]:
