@@ -63,3 +63,31 @@ async def never_stops(task: Any, client: Any) -> float:
     while True:
         await ask(client, messages, max_tokens=2)
         messages.append({"role": "user", "content": "More."})
+
+
+class Census:
+    """Episodes of ``counted``: started, returned, cancelled (the run stopped under them), peak in flight."""
+
+    started = returned = cancelled = inflight = peak = 0
+    hold_until = 0  # the first episodes wait until this many have started (all in flight at once)
+
+
+async def counted(task: Any, client: Any) -> float:
+    """Two short completions; counts itself in ``Census``."""
+    Census.started += 1
+    Census.inflight += 1
+    Census.peak = max(Census.peak, Census.inflight)
+    try:
+        while Census.started < Census.hold_until:
+            await asyncio.sleep(0.01)
+        messages = opening(task)
+        await ask(client, messages, max_tokens=4)
+        messages.append({"role": "user", "content": "Again."})
+        await ask(client, messages, max_tokens=4)
+    except asyncio.CancelledError:
+        Census.cancelled += 1
+        raise
+    finally:
+        Census.inflight -= 1
+    Census.returned += 1
+    return float(task.index % 2)

@@ -88,6 +88,8 @@ class AgentEndpoint:
             body = await request.json()
         except json.JSONDecodeError as e:
             return _error(400, f"request body is not JSON: {e}", "invalid_request_error")
+        except ConnectionError:  # the agent went away (its episode was cancelled): nobody to answer
+            return _error(499, "client closed the connection", "client_closed")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
         if body.get("stream"):
