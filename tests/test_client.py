@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,6 +13,8 @@ from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.netutil import free_port
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.rollout.client import GenerateResult, RolloutClient, ServerError
+from megatron_areal.rollout.request import VersionParser, generate_sample
+from megatron_areal.rollout.routing import ServerPool
 from megatron_areal.server.weights import read_safetensors
 
 KEY = "k"
@@ -166,3 +169,94 @@ def test_result_parsing_of_sglang_0523_reply() -> None:
         "finish_reason": {"type": "abort", "message": "m"}, "weight_version": "5",
         "output_token_logprobs": [[-0.3, 1, None]]}})
     assert bare.finish_reason == "abort" and bare.output_versions == ["5"] and bare.prompt_tokens == 0
+
+
+# ---- a misbehaving server: its malformed replies are its failure, not the run's ----------------
+def _reply(ids: list, logprobs: list, **meta) -> dict:
+    return {"output_ids": ids, "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "0",
+                                             "output_token_logprobs": logprobs, **meta}}
+
+
+MALFORMED = {
+    # what an all-NaN model answers: JSON has no NaN, so the server writes null
+    "null-logprobs": _reply([5, 6], [[None, 5, None], [None, 6, None]]),
+    "string-logprob": _reply([5], [["-0.5", 5, None]]),
+    "string-token": _reply(["5"], [[-0.5, 5, None]]),
+    "meta-not-object": {"output_ids": [5], "meta_info": [1, 2]},
+    "span-without-start": _reply([5], [[-0.5, 5, None]], weight_versions=[{"version": "1"}]),
+    "fewer-logprobs": _reply([5, 6], [[-0.5, 5, None]]),
+    "no-logprobs": {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}}},
+    "nan-literal": "{\"output_ids\": [5], \"meta_info\": {\"output_token_logprobs\": [[NaN, 5, null]]}}",
+    "not-json": "{\"output_ids\": [5",
+}
+
+
+async def _misbehaving_server(reply: dict | str) -> tuple[web.AppRunner, str]:
+    """A real HTTP server whose /generate answers ``reply`` (JSON content type) and whose /health is 200."""
+    async def generate(_: web.Request) -> web.Response:
+        text = reply if isinstance(reply, str) else json.dumps(reply)
+        return web.Response(text=text, content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_reply_is_a_server_error_naming_the_server(name: str) -> None:
+    async def body():
+        runner, url = await _misbehaving_server(MALFORMED[name])
+        try:
+            async with RolloutClient(url) as c:
+                with pytest.raises(ServerError, match="malformed") as e:
+                    await c.generate([1, 2], {"max_new_tokens": 2})
+                assert url in str(e.value) and e.value.status is None
+        finally:
+            await runner.cleanup()
+    asyncio.run(body())
+
+
+def _sample(pool, rid: str):
+    async def running() -> None:
+        return None
+    return generate_sample(pool, [1, 2, 3], {"temperature": 0.0}, 4, rid, running, VersionParser(0))
+
+
+def test_sample_after_malformed_replies_is_retried_elsewhere_and_the_server_dropped(server) -> None:
+    async def body():
+        runner, bad_url = await _misbehaving_server(MALFORMED["null-logprobs"])
+        try:
+            async with RolloutClient(bad_url) as bad, RolloutClient(server.url, api_key=KEY, timeout_s=60) as good:
+                pool = ServerPool([bad, good])
+                bad_slot = pool.slots[0]
+                for attempt in range(3):
+                    pool.mark_up(bad_slot)  # what the health probe does: the bad server's /health is 200
+                    out = await _sample(pool, f"s{attempt}")  # the bad server is picked first (index 0)
+                    assert len(out.output_ids) == 4 and all(lp <= 0 for lp in out.output_logprobs)
+                assert [s.url for s in pool.slots] == [server.url], "dropped after three failures in a row"
+                assert pool.removed == 1 and "malformed" in bad_slot.last_error
+        finally:
+            await runner.cleanup()
+    asyncio.run(body())
+
+
+def test_a_server_that_recovers_is_not_dropped(server) -> None:
+    """Failures separated by a good answer are not 'in a row'."""
+    async def body():
+        async with RolloutClient(server.url, api_key=KEY, timeout_s=60) as good:
+            pool = ServerPool([good])
+            slot = pool.slots[0]
+            for attempt in range(5):
+                pool.mark_down(slot, "connection reset")
+                pool.mark_up(slot)
+                await _sample(pool, f"r{attempt}")
+            assert pool.slots == [slot] and slot.healthy and slot.strikes == 0
+    asyncio.run(body())

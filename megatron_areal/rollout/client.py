@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,10 +48,23 @@ class GenerateResult:
 
     @classmethod
     def from_response(cls, body: dict[str, Any]) -> GenerateResult:
-        """Parse SGLang's JSON answer (its ``meta_info``), tolerating the fields older versions lack."""
-        meta = body.get("meta_info") or {}
-        ids = [int(t) for t in body.get("output_ids") or []]
-        logprobs = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
+        """Parse SGLang's JSON answer (its ``meta_info``), tolerating the fields older versions lack.
+
+        Raises ``MalformedReply`` for what no correct server sends: a field of the wrong type, a token
+        id that is not an integer, a logprob that is null, not a number or not finite.
+        """
+        try:
+            return cls._parse(body)
+        except MalformedReply:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise MalformedReply(f"malformed reply: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def _parse(cls, body: dict[str, Any]) -> GenerateResult:
+        meta = _object(body.get("meta_info") or {}, "meta_info")
+        ids = [_token(t) for t in _array(body.get("output_ids") or [], "output_ids")]
+        logprobs = [_logprob(e) for e in _array(meta.get("output_token_logprobs") or [], "output_token_logprobs")]
         reason = meta.get("finish_reason") or {}
         kind = reason.get("type", "abort") if isinstance(reason, dict) else str(reason)
         version = str(meta.get("weight_version", "default"))
@@ -59,6 +73,36 @@ class GenerateResult:
                    completion_tokens=int(meta.get("completion_tokens", len(ids)) or 0),
                    output_versions=_versions_per_token(meta, len(ids), version), meta_info=meta,
                    routed_experts=_routes_bytes(meta))
+
+
+class MalformedReply(ValueError):
+    """A reply no correct server sends; the client raises it as that server's ``ServerError``."""
+
+
+def _object(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise MalformedReply(f"malformed reply: {name} is {type(value).__name__}, not an object")
+    return value
+
+
+def _array(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise MalformedReply(f"malformed reply: {name} is {type(value).__name__}, not an array")
+    return value
+
+
+def _token(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedReply(f"malformed reply: output_ids holds {value!r}, not a token id")
+    return value
+
+
+def _logprob(entry: Any) -> float:
+    """The logprob of one ``[logprob, token id, text]`` entry: a finite number."""
+    value = entry[0] if isinstance(entry, (list, tuple)) and entry else entry
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise MalformedReply(f"malformed reply: output_token_logprobs holds {value!r}, not a finite logprob")
+    return float(value)
 
 
 def _routes_bytes(meta: dict[str, Any]) -> bytes | None:
@@ -120,7 +164,10 @@ class RolloutClient:
                 if r.status >= 400:
                     raise ServerError(self.url, endpoint, f"HTTP {r.status}: {text[:500]}", r.status)
                 if r.content_type == "application/json" and text:
-                    return await r.json(content_type=None)
+                    try:
+                        return await r.json(content_type=None)
+                    except ValueError as e:
+                        raise ServerError(self.url, endpoint, f"malformed JSON reply: {e}") from None
                 return text
         except TimeoutError:
             raise ServerError(self.url, endpoint, f"no reply within {timeout.total:.0f}s") from None
@@ -153,9 +200,13 @@ class RolloutClient:
         if not isinstance(reply, dict):
             raise ServerError(self.url, "/generate", f"expected one JSON object, got {str(reply)[:200]}")
         try:
-            return GenerateResult.from_response(reply)
-        except ValueError as e:
+            result = GenerateResult.from_response(reply)
+        except ValueError as e:  # MalformedReply, or routed experts that are not base64
             raise ServerError(self.url, "/generate", str(e)) from None
+        if len(result.output_logprobs) != len(result.output_ids):
+            raise ServerError(self.url, "/generate", f"malformed reply: {len(result.output_ids)} tokens but "
+                              f"{len(result.output_logprobs)} logprobs (return_logprob was asked for)")
+        return result
 
     async def pause(self, mode: str = "abort") -> None:
         """Pause generation; in ``abort`` mode running requests return with what they have."""

@@ -123,6 +123,7 @@ async def generate_sample(pool: ServerPool, prompt_ids: list[int], sampling: dic
         finally:
             pool.end(slot)
             segment += 1
+        pool.succeeded(slot)
         out.extend(result, [parse_version(v) for v in result.output_versions])
         if return_routed_experts:
             out.extend_routes(result, len(prompt_ids) + len(out.output_ids) - 1 - out.route_positions, slot.url)

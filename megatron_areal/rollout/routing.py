@@ -21,6 +21,9 @@ from megatron_areal.rollout.wakeup import Signal
 log = logging.getLogger(__name__)
 
 
+MAX_STRIKES = 3
+
+
 class NoHealthyServer(RuntimeError):
     """Every server of the fleet is down."""
 
@@ -34,6 +37,10 @@ class ServerSlot:
     inflight: int = 0
     requests: int = 0  # cumulative, routed here
     failures: int = 0
+    # Times in a row it went down again without serving one request since it last came back; at
+    # MAX_STRIKES it is removed (a server that answers its health probe but fails every request).
+    strikes: int = 0
+    served_since_down: bool = False
     busy_s: float = 0.0  # time with at least one request in flight, up to busy_since
     busy_since: float | None = None
     last_error: str = field(default="")
@@ -97,15 +104,29 @@ class ServerPool:
 
     # ----- health
 
+    def succeeded(self, slot: ServerSlot) -> None:
+        """A request on ``slot`` was answered well: its strikes are forgiven."""
+        slot.served_since_down = True
+        slot.strikes = 0
+
     def mark_down(self, slot: ServerSlot, reason: str) -> None:
-        """Route nothing more to ``slot`` until the health probe revives it (``reason`` is logged once)."""
+        """Route nothing more to ``slot`` until the health probe revives it (``reason`` is logged once).
+
+        Going down ``MAX_STRIKES`` times in a row without answering one request well in between
+        removes it from the pool for good.
+        """
         slot.failures += 1
         slot.last_error = reason
         if slot.healthy:
             slot.healthy = False
+            slot.strikes = 1 if slot.served_since_down else slot.strikes + 1
+            slot.served_since_down = False
             log.error("rollout server %s marked unhealthy, its requests go to the other servers: %s",
                       slot.url, reason)
             self._notify()
+            if slot.strikes >= MAX_STRIKES:
+                self.remove(slot.url, f"failed {slot.strikes} times in a row, each time after it came back, "
+                                      f"without answering a request well: {reason}")
 
     def mark_up(self, slot: ServerSlot) -> None:
         """Route to ``slot`` again."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -11,8 +12,9 @@ from typing import Any
 
 from aiohttp import web
 
+from megatron_areal.server.connections import ConnectionGuard, ConnectionLimits
 from megatron_areal.server.engine import Engine, QueueFull
-from megatron_areal.server.protocol import BadRequest, parse_generate, response
+from megatron_areal.server.protocol import BadRequest, Limits, parse_generate, response
 from megatron_areal.server.scheduler import Request
 from megatron_areal.server.weight_queue import WeightQueue
 from megatron_areal.server.weights import WeightError, parse_dtype
@@ -31,8 +33,15 @@ def _refused(message: str) -> web.Response:
     return web.json_response({"success": False, "message": message}, status=400)
 
 
-async def _json(request: web.Request, optional: bool = False) -> dict[str, Any]:
-    raw = await request.read()  # over client_max_size: aiohttp raises 413
+class SlowBody(web.HTTPRequestTimeout):
+    """The client did not send its body within the server's deadline (408)."""
+
+
+async def _json(request: web.Request, optional: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
+    try:  # over client_max_size: aiohttp raises 413
+        raw = await asyncio.wait_for(request.read(), timeout=timeout_s)
+    except TimeoutError:
+        raise SlowBody(reason=f"the request body did not arrive within {timeout_s:.0f}s") from None
     if not raw.strip() and optional:
         return {}
     try:
@@ -62,11 +71,19 @@ class Api:
     """SGLang's native HTTP API over one ``Engine``: routes, the API key, body validation (a 4xx
     naming the field), pause/continue, and the weight endpoints."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None, tokenizer: Any, served_model_name: str) -> None:
+    def __init__(self, engine: Engine, *, api_key: str | None, tokenizer: Any, served_model_name: str,
+                 connections: ConnectionGuard | None = None) -> None:
         self.engine, self.api_key, self.tokenizer = engine, api_key, tokenizer
         self.served_model_name = served_model_name
+        self.connections = connections or ConnectionGuard(ConnectionLimits())
+        self.limits = Limits(max_len=engine.max_len, max_requests=engine.opts.max_queue,
+                             max_request_tokens=engine.opts.max_request_tokens,
+                             max_text_chars=None if tokenizer is None else engine.max_len * tokenizer.max_token_chars)
+        # ``running`` mirrors ``engine.paused`` for waiters; pause and continue change both under
+        # ``_control`` (FIFO), so they take effect one at a time in arrival order and never disagree.
         self.running = asyncio.Event()
         self.running.set()
+        self._control = asyncio.Lock()
         self.in_flight: set[str] = set()
         # Every weight operation (join, destroy, begin/end, updates from the trainer or disk) runs
         # on this one thread in arrival order, as SGLang's scheduler runs them: collectives on one
@@ -103,10 +120,19 @@ class Api:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.api_key and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
+        transport = request.transport
+        self.connections.started(transport)
+        try:
+            return await self._handle(request, handler)
+        finally:
+            self.connections.finished(transport)
+
+    async def _handle(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.api_key and request.path not in OPEN_PATHS and not self._authorized(request):
+            # Refused before the body is read, and the connection is closed rather than drained.
+            refused = web.json_response({"error": "Unauthorized"}, status=401)
+            refused.force_close()
+            return refused
         try:
             return await handler(request)
         except BadRequest as e:
@@ -118,14 +144,26 @@ class Api:
                 return _error(e.status, e.reason or e.text or "error")
             raise
 
+    def _authorized(self, request: web.Request) -> bool:
+        # aiohttp decodes header bytes that are not UTF-8 as lone surrogates; encode them back as
+        # they came, so that such a key is simply a wrong key (401), not an encoding error (500).
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
+
+    async def _body(self, request: web.Request, optional: bool = False) -> dict[str, Any]:
+        return await _json(request, optional, timeout_s=self.connections.limits.body_timeout_s)
+
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         """``/generate``: one prompt or a batch; answers when every sample finished, and aborts them if the
         client goes away."""
-        body = await _json(request)
+        body = await self._body(request)
         e = self.engine
-        parsed = parse_generate(body, tokenizer=self.tokenizer, vocab=e.arch.vocab_size, max_len=e.max_len,
-                                max_requests=e.opts.max_queue)
+        parse = functools.partial(parse_generate, body, tokenizer=self.tokenizer, vocab=e.arch.vocab_size,
+                                  limits=self.limits)
+        # Tokenising runs on a worker thread (the tokenizer releases the GIL), so a long prompt does not
+        # hold up the event loop; token ids are checked inline.
+        parsed = await asyncio.to_thread(parse) if isinstance(body, dict) and "text" in body else parse()
         if not e.has_room(parsed.count):  # before n fans out into one entry per sequence
             return _error(503, f"queue full: {parsed.count} sequences do not fit (limit {e.opts.max_queue})")
         prompts = parsed.expand()
@@ -176,7 +214,9 @@ class Api:
         if request.path == "/ready" and self.engine.paused:
             return web.Response(status=503)
         if request.path != "/ready" and not await self._generation_resumes():
-            return web.Response(status=503)
+            return web.Response(status=503, text="generation is paused")
+        if self.engine.paused:  # never 200 while the engine would not step a request
+            return web.Response(status=503, text="the engine is paused")
         ok, why = self.engine.health()  # 503 also when the runner is alive but cannot step
         return web.Response(status=200) if ok else web.Response(status=503, text=why)
 
@@ -195,24 +235,26 @@ class Api:
     async def pause(self, request: web.Request) -> web.Response:
         """``/pause_generation``: ``abort`` returns running requests with their tokens so far, ``retract``
         re-queues them, ``in_place`` keeps them in their slots."""
-        body = await _json(request, optional=True)
+        body = await self._body(request, optional=True)
         mode = _field(body, "mode", str, "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode: {mode!r} is not abort, retract or in_place")
-        self.running.clear()
-        await asyncio.to_thread(self.engine.pause, mode)
+        async with self._control:
+            self.running.clear()
+            await asyncio.to_thread(self.engine.pause, mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
         """``/continue_generation``."""
-        await _json(request, optional=True)
-        await asyncio.to_thread(self.engine.resume)
-        self.running.set()
+        await self._body(request, optional=True)
+        async with self._control:
+            await asyncio.to_thread(self.engine.resume)
+            self.running.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort(self, request: web.Request) -> web.Response:
         """``/abort_request``: one request by ``rid``, or all with ``abort_all``."""
-        body = await _json(request, optional=True)
+        body = await self._body(request, optional=True)
         abort_all = _field(body, "abort_all", bool, False)
         rid = _field(body, "rid", str, "")
         if abort_all or rid:
@@ -227,14 +269,14 @@ class Api:
 
     async def begin_update(self, request: web.Request) -> web.Response:
         """Open the session that distributed and tensor updates need (SGLang 0.5.23); one at a time."""
-        body = await _json(request, optional=True)
+        body = await self._body(request, optional=True)
         _field(body, "selector", str, "all")
         await self.weights.run(self.engine.begin_weight_update)
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_update(self, request: web.Request) -> web.Response:
         """Close the session ``begin_update`` opened."""
-        await _json(request, optional=True)
+        await self._body(request, optional=True)
         await self.weights.run(self.engine.end_weight_update)
         return web.json_response({"success": True, "message": "Success"})
 
@@ -245,7 +287,7 @@ class Api:
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version``: rename the held weights (aborting requests unless told not to)."""
-        body = await _json(request)
+        body = await self._body(request)
         version = _field(body, "new_version", (str, int))
         if _field(body, "abort_all_requests", bool, True):
             await asyncio.to_thread(self.engine.abort, None)
@@ -288,7 +330,7 @@ class Api:
     # ---- weights -------------------------------------------------------------------------
     async def init_group(self, request: web.Request) -> web.Response:
         """``/init_weights_update_group``: join the trainer's group (on the weight thread, in arrival order)."""
-        b = await _json(request)
+        b = await self._body(request)
         await self.weights.run(
             self.engine.init_group, master_address=_field(b, "master_address", str),
             master_port=_field(b, "master_port", int), rank_offset=_field(b, "rank_offset", int),
@@ -300,14 +342,14 @@ class Api:
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         """``/destroy_weights_update_group``."""
-        b = await _json(request, optional=True)
+        b = await self._body(request, optional=True)
         await self.weights.run(self.engine.destroy_group, _field(b, "group_name", str, "weight_update_group"))
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def update_distributed(self, request: web.Request) -> web.Response:
         """``/update_weights_from_distributed``: receive one bucket of tensors by broadcast from the
         trainer and install it."""
-        b = await _json(request)
+        b = await self._body(request)
         names, dtypes, shapes = _field(b, "names", list), _field(b, "dtypes", list), _field(b, "shapes", list)
         if not (len(names) == len(dtypes) == len(shapes)) or not all(isinstance(n, str) for n in names) \
                 or not all(isinstance(s, list) for s in shapes):
@@ -326,7 +368,7 @@ class Api:
 
     async def update_disk(self, request: web.Request) -> web.Response:
         """``/update_weights_from_disk``: load the whole model from a folder."""
-        b = await _json(request)
+        b = await self._body(request)
         path = _field(b, "model_path", str)
         version = _field(b, "weight_version", (str, int), None)
         if _field(b, "abort_all_requests", bool, False):
@@ -336,7 +378,7 @@ class Api:
 
     async def update_tensor(self, request: web.Request) -> web.Response:
         """``/update_weights_from_tensor``: refused (it needs CUDA IPC on one node)."""
-        await _json(request, optional=True)
+        await self._body(request, optional=True)
         await self.weights.run(self.engine.require_update_session, "update_weights_from_tensor")
         return _refused("update_weights_from_tensor needs CUDA IPC on one node; use "
                         "/update_weights_from_distributed")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_areal.server.config import DEFAULT_CONTEXT_LENGTH, EngineOptions, ServerConfig
+from megatron_areal.server.connections import ConnectionGuard, ConnectionLimits, raise_file_limit
 
 log = logging.getLogger(__name__)
 # After SIGTERM/SIGINT: the orderly stop (answer everyone, close the port) normally takes well under
@@ -51,6 +52,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds a weight-group join or broadcast may wait (a request's timeout_s is capped by it)")
     p.add_argument("--health-timeout", type=float, dest="health_timeout_s", metavar="SECONDS",
                    help="while paused, /health waits this long for generation to resume, then answers 503")
+    p.add_argument("--weight-load-timeout", type=float, dest="weight_load_timeout_s", metavar="SECONDS",
+                   help="seconds a weight load from disk may take before it fails and the old weights stay "
+                        f"(default {defaults.weight_load_timeout_s:.0f})")
+    p.add_argument("--max-request-tokens", type=int,
+                   help="output tokens one /generate may ask for, prompts x n x max_new_tokens "
+                        f"(default {defaults.max_request_tokens})")
+    limits = ConnectionLimits()
+    p.add_argument("--header-timeout", type=float, default=limits.header_timeout_s, metavar="SECONDS",
+                   help="a connection that has not sent a request's headers this long after opening is closed")
+    p.add_argument("--idle-timeout", type=float, default=limits.idle_timeout_s, metavar="SECONDS",
+                   help="a keep-alive connection idle this long between requests is closed")
+    p.add_argument("--body-timeout", type=float, default=limits.body_timeout_s, metavar="SECONDS",
+                   help="a request whose body has not arrived this long after its headers gets 408")
+    p.add_argument("--max-connections", type=int, default=limits.max_connections,
+                   help="open connections at most (and at most half the open-file limit, which is raised to "
+                        "the hard limit at start); past it the connection waiting longest without a request "
+                        "is closed")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (CUDA default; on a CPU without native "
@@ -62,12 +80,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.api_key = _api_key(p, args)
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there (is it a Hugging Face model folder?)")
-    for flag in ("max_running", "max_queue", "max_prefill_tokens"):
+    for flag in ("max_running", "max_queue", "max_prefill_tokens", "max_request_tokens", "max_connections"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("weight_group_timeout", "health_timeout"):
+    for flag in ("weight_group_timeout", "health_timeout", "weight_load_timeout"):
         value = getattr(args, f"{flag}_s")
         if value is not None and not value > 0:
+            p.error(f"--{flag.replace('_', '-')} must be > 0")
+    for flag in ("header_timeout", "idle_timeout", "body_timeout"):
+        if not getattr(args, flag) > 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0")
     return args
 
@@ -99,6 +120,12 @@ def write_registration(directory: str, server_id: str, info: dict[str, Any]) -> 
     return path
 
 
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The HTTP connection limits from the flags."""
+    return ConnectionLimits(header_timeout_s=args.header_timeout, idle_timeout_s=args.idle_timeout,
+                            body_timeout_s=args.body_timeout, max_connections=args.max_connections)
+
+
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine's options from the flags given; the others keep ``EngineOptions``' defaults."""
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EngineOptions)}
@@ -119,13 +146,18 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = None if args.skip_tokenizer_init else await asyncio.to_thread(load_tokenizer, args.model)
     decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     engine = await asyncio.to_thread(Engine, args.model, opts, decode)
-    api = Api(engine, api_key=args.api_key, tokenizer=tokenizer, served_model_name=args.model)
+    raise_file_limit()
+    guard = ConnectionGuard(connection_limits(args))
+    api = Api(engine, api_key=args.api_key, tokenizer=tokenizer, served_model_name=args.model, connections=guard)
     runner = web.AppRunner(api.app(int(args.max_body_mb * 2**20)), access_log=None, handler_cancellation=False,
-                             shutdown_timeout=5.0)
+                           shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
-    await site.start()
-    port = _bound_port(runner, args.port)
+    assert runner.server is not None
+    # The listening socket is ours (not a TCPSite) so that each connection's protocol reports to the guard;
+    # the runner still owns the app and closes the connections at cleanup.
+    listener = await asyncio.get_running_loop().create_server(guard.factory(runner.server), args.host, args.port,
+                                                              reuse_address=True)
+    port = int(listener.sockets[0].getsockname()[1])
     engine.start()
     # A wildcard bind is reachable through this host's name, which is what a trainer needs.
     advertised = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
@@ -151,6 +183,8 @@ async def serve(args: argparse.Namespace) -> None:
             registration.unlink(missing_ok=True)
         log.info("shutting down")
         await _in_own_thread(lambda: engine.stop(timeout_s=5.0))
+        listener.close()
+        guard.close()
         await runner.cleanup()
 
 
@@ -181,13 +215,6 @@ def _exit_after(seconds: float) -> None:
     timer = threading.Timer(seconds, hard_exit)
     timer.daemon = True
     timer.start()
-
-
-def _bound_port(runner: Any, requested: int) -> int:
-    for addr in runner.addresses:
-        if isinstance(addr, tuple) and len(addr) >= 2:
-            return int(addr[1])
-    return requested
 
 
 def main(argv: list[str]) -> int:

@@ -33,6 +33,8 @@ class EngineOptions:
     weight_version: str = "default"
     weight_group_timeout_s: float = 300.0  # joining a weight-update group, and each of its collectives
     health_timeout_s: float = 20.0  # /health while paused waits this long, then answers 503 (SGLang: 20 s)
+    weight_load_timeout_s: float = 600.0  # reading a weights folder from disk; past it the load fails
+    max_request_tokens: int = 2**18  # output tokens one /generate may ask for (prompts x n x max_new_tokens)
 
     def context_length_for(self, max_position_embeddings: int) -> int:
         """Tokens per KV slot for a model: ``context_length`` when given (even past the model's

@@ -406,7 +406,7 @@ class Engine:
     def update_from_disk(self, model_path: str, version: str | None) -> None:
         """Install the whole model from a safetensors folder as ``version``."""
         with one_thread():
-            tensors = read_safetensors(model_path)
+            tensors = read_safetensors(model_path, timeout_s=self.opts.weight_load_timeout_s)
         self._install(tensors, version, complete=True)
         self.model_path = str(model_path)
 

@@ -30,6 +30,24 @@ IGNORED_PARAMS = {"stop", "no_stop_trim", "skip_special_tokens", "spaces_between
 
 # sampling_seed goes to torch.Generator.manual_seed, which takes exactly this range.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# A rid is copied into every child of n > 1 and into each reply; SGLang's own are 32 hex digits.
+MAX_RID_CHARS = 256
+# The last longest-stop-string tokens are decoded at every step of a request that has stop strings.
+MAX_STOP_CHARS = 256
+# Output tokens one /generate may ask for (prompts x n x max_new_tokens): about 40 bytes each in the
+# reply (id, logprob entry, text), so a reply stays near 10 MB whatever the request.
+DEFAULT_MAX_REQUEST_TOKENS = 2**18
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one /generate may cost: prompts x n (the queue), context tokens per sequence, output tokens
+    in all, and characters of ``text`` per prompt (checked before tokenising)."""
+
+    max_len: int
+    max_requests: int = 2**31
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    max_text_chars: int | None = None  # None: no bound (no tokenizer)
 
 
 @dataclass
@@ -98,6 +116,8 @@ def parse_sampling(sp: Any, prompt_len: int, max_len: int, vocab: int, has_token
     if not isinstance(stop, list) or len(stop) > 32 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("sampling_params.stop: expected a string or a list of at most 32 non-empty strings")
     stop = [_check_str(x, "sampling_params.stop") for x in stop]
+    if any(len(x) > MAX_STOP_CHARS for x in stop):
+        raise BadRequest(f"sampling_params.stop: each stop string may have at most {MAX_STOP_CHARS} characters")
     if stop and not has_tokenizer:
         raise BadRequest("sampling_params.stop: stop strings need a tokenizer; this server has none "
                          "(use stop_token_ids)")
@@ -141,15 +161,16 @@ def _check_str(value: str, field: str) -> str:
     return value
 
 
-def _prompts(body: dict[str, Any], tokenizer: Any, vocab: int, max_requests: int) -> tuple[list[list[int]], bool]:
+def _prompts(body: dict[str, Any], tokenizer: Any, vocab: int, limits: Limits) -> tuple[list[list[int]], bool]:
     """The prompts as token ids, and whether a single prompt (not a batch) was sent.
 
     The number of prompts is checked before any is tokenized or scanned.
     """
+    max_requests = limits.max_requests
     if ("text" in body) == ("input_ids" in body):
         raise BadRequest("send exactly one of 'text' and 'input_ids'")
     if "text" in body:
-        return _text_prompts(body["text"], tokenizer, max_requests)
+        return _text_prompts(body["text"], tokenizer, limits)
     ids = body["input_ids"]
     single = isinstance(ids, list) and bool(ids) and all(isinstance(t, int) for t in ids)
     batch = [ids] if single else ids
@@ -163,21 +184,29 @@ def _prompts(body: dict[str, Any], tokenizer: Any, vocab: int, max_requests: int
     return batch, single
 
 
-def _text_prompts(text: Any, tokenizer: Any, max_requests: int) -> tuple[list[list[int]], bool]:
-    """Tokenize ``text``; a prompt that is empty (or tokenizes to nothing) has nothing to continue."""
+def _text_prompts(text: Any, tokenizer: Any, limits: Limits) -> tuple[list[list[int]], bool]:
+    """Tokenize ``text``; a prompt that is empty (or tokenizes to nothing) has nothing to continue.
+
+    Every prompt is checked (its length in characters among it) before any is tokenized: a text
+    longer than ``max_text_chars`` cannot fit the context, however it tokenizes.
+    """
     if tokenizer is None:
         raise BadRequest("'text' needs a tokenizer; this server has none: send 'input_ids'")
     texts = [text] if isinstance(text, str) else text
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise BadRequest("text: expected a string or a non-empty list of strings")
-    _check_batch_size(len(texts), "text", max_requests)
-    batch = []
-    for i, t in enumerate(texts):
-        field = "text" if isinstance(text, str) else f"text[{i}]"
-        ids = list(tokenizer.encode(_check_str(t, field)))
+    _check_batch_size(len(texts), "text", limits.max_requests)
+    fields = ["text"] if isinstance(text, str) else [f"text[{i}]" for i in range(len(texts))]
+    for field, t in zip(fields, texts, strict=True):
+        if limits.max_text_chars is not None and len(t) > limits.max_text_chars:
+            raise BadRequest(f"{field}: {len(t)} characters cannot fit the context of {limits.max_len} tokens "
+                             f"(this tokenizer's longest token has {limits.max_text_chars // limits.max_len} "
+                             f"characters, so at most {limits.max_text_chars} characters fit)")
+        _check_str(t, field)
+    batch = [list(ids) for ids in tokenizer.encode_many(texts)]
+    for field, ids in zip(fields, batch, strict=True):
         if not ids:
             raise BadRequest(f"{field}: the prompt is empty (it has no tokens)")
-        batch.append(ids)
     return batch, isinstance(text, str)
 
 
@@ -190,15 +219,22 @@ def _rids(body: dict[str, Any], size: int, single: bool) -> list[str]:
     """One id per prompt: a string rid becomes ``{rid}_{i}`` for a batch, as in SGLang."""
     rids = body.get("rid")
     if rids is None or isinstance(rids, str):
-        base = _check_str(rids, "rid") if rids else uuid.uuid4().hex
+        base = _check_rid(rids) if rids else uuid.uuid4().hex
         return [base] if single else [f"{base}_{i}" for i in range(size)]
     if not isinstance(rids, list) or len(rids) != size or not all(isinstance(r, str) for r in rids):
         raise BadRequest("rid: expected a string or one string per prompt")
-    return [_check_str(r, "rid") for r in rids]
+    return [_check_rid(r) for r in rids]
 
 
-def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int, max_requests: int = 2**31) -> Parsed:
-    """Validate a /generate body; ``max_requests`` bounds prompts x n (the server's queue)."""
+def _check_rid(rid: str) -> str:
+    if len(rid) > MAX_RID_CHARS:
+        raise BadRequest(f"rid: {len(rid)} characters; at most {MAX_RID_CHARS}")
+    return _check_str(rid, "rid")
+
+
+def parse_generate(body: Any, *, tokenizer: Any, vocab: int, limits: Limits) -> Parsed:
+    """Validate a /generate body within ``limits`` (prompts x n, context, output tokens, text length)."""
+    max_len, max_requests = limits.max_len, limits.max_requests
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     unknown = set(body) - TOP_LEVEL_KEYS
@@ -213,7 +249,7 @@ def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int, max_r
     return_logprob = body.get("return_logprob", False)
     if not isinstance(return_logprob, bool):
         raise BadRequest(f"return_logprob: expected true/false, got {return_logprob!r}")
-    batch, single = _prompts(body, tokenizer, vocab, max_requests)
+    batch, single = _prompts(body, tokenizer, vocab, limits)
     return_routes, routes_start = _routes_fields(body, min(len(ids) for ids in batch))
     sps = body.get("sampling_params") or {}
     sps = sps if isinstance(sps, list) else [sps] * len(batch)
@@ -229,8 +265,18 @@ def parse_generate(body: Any, *, tokenizer: Any, vocab: int, max_len: int, max_r
     if parsed.count > max_requests:
         raise BadRequest(f"sampling_params.n: {len(batch)} prompts x n make {parsed.count} sequences; "
                          f"this server queues at most {max_requests}")
+    _check_reply_budget(parsed, limits.max_request_tokens)
     parsed.single = single and parsed.count == 1
     return parsed
+
+
+def _check_reply_budget(parsed: Parsed, limit: int) -> None:
+    """Refuse a request whose reply could exceed ``limit`` output tokens, before anything is queued."""
+    total = sum(params.n * params.max_new_tokens for _, _, params in parsed.groups)
+    if total > limit:
+        raise BadRequest(f"sampling_params.max_new_tokens: {parsed.count} sequences of up to "
+                         f"{max(p.max_new_tokens for _, _, p in parsed.groups)} new tokens make {total} tokens; "
+                         f"this server answers at most {limit} per request (send fewer or shorter)")
 
 
 def _routes_fields(body: dict[str, Any], shortest_prompt: int) -> tuple[bool, int]:

@@ -6,6 +6,7 @@ back to transformers' AutoTokenizer.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,25 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``."""
-        return list(self._impl.encode(text).ids) if self._fast else list(self._impl.encode(text))
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text. ``tokenizers`` releases the GIL in its batch call (its single call
+        does not), so a long prompt tokenised on a worker thread leaves the event loop running."""
+        if self._fast:
+            return [list(e.ids) for e in self._impl.encode_batch(texts)]
+        return [list(self._impl.encode(t)) for t in texts]
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token (added tokens included).
+
+        Every token of a text stands for at most this many of its characters (byte-level
+        vocabularies spell each byte as one character), so a text of more than
+        ``context x max_token_chars`` characters cannot fit the context whatever it tokenizes to.
+        """
+        vocab = self._impl.get_vocab(with_added_tokens=True) if self._fast else self._impl.get_vocab()
+        return max((len(token) for token in vocab), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""

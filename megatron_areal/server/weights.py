@@ -3,38 +3,93 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 from torch import nn
+
+# Reads that outlived their deadline keep a thread each, blocked in the kernel; past this many,
+# loads from disk are refused until one of them returns.
+MAX_BLOCKED_READS = 4
+_blocked_reads: set[str] = set()
+_blocked_lock = threading.Lock()
 
 
 class WeightError(ValueError):
     """Weights that do not fit the model; the served weights are left unchanged."""
 
 
-def read_safetensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+def read_safetensors(hf_dir: str | Path, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
     """All tensors of an HF folder (single file or sharded with an index).
 
     A broken index or shard is the caller's input, not a server fault: it raises WeightError
     naming the file, so a weight update answers 400 and keeps the served weights.
+
+    With ``timeout_s`` every file is read on a thread of its own in plain reads (which release the
+    GIL) and parsed from memory, and a folder not read within ``timeout_s`` raises WeightError: a
+    FIFO or a hung network filesystem then costs one blocked thread, not the server. Without it the
+    files are memory-mapped (the server's start, from its own model folder).
     """
     folder = Path(hf_dir)
+    deadline = None if timeout_s is None else _Deadline(time.monotonic() + timeout_s, timeout_s)
     index = folder / "model.safetensors.index.json"
-    files = _indexed_files(index) if index.is_file() else sorted(p.name for p in folder.glob("*.safetensors"))
+    files = _indexed_files(index, deadline) if index.is_file() else sorted(
+        p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise WeightError(f"{folder}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(_load_shard(folder / name))
+        tensors.update(_load_shard(folder / name, deadline))
     return tensors
 
 
-def _indexed_files(index: Path) -> list[str]:
+@dataclass(frozen=True)
+class _Deadline:
+    at: float  # time.monotonic()
+    seconds: float  # the whole load's budget, for messages
+
+
+def _read_by(path: Path, deadline: _Deadline) -> bytes:
+    """The bytes of ``path``, read on a daemon thread; WeightError when they are not all there by ``deadline``."""
+    with _blocked_lock:
+        if len(_blocked_reads) >= MAX_BLOCKED_READS:
+            raise WeightError(f"{path}: refused: {len(_blocked_reads)} earlier weight reads are still blocked "
+                              f"({', '.join(sorted(_blocked_reads))})")
+    outcome: list[bytes | OSError] = []
+
+    def read() -> None:
+        try:
+            outcome.append(path.read_bytes())
+        except OSError as e:
+            outcome.append(e)
+        finally:
+            with _blocked_lock:
+                _blocked_reads.discard(str(path))
+
+    with _blocked_lock:
+        _blocked_reads.add(str(path))
+    reader = threading.Thread(target=read, name=f"read {path.name}", daemon=True)
+    reader.start()
+    reader.join(max(0.0, deadline.at - time.monotonic()))
+    if not outcome:
+        raise WeightError(f"{path}: not read within the weight-load timeout of {deadline.seconds:g}s (a FIFO, or a "
+                          "filesystem that does not answer?); the served weights are kept")
+    with _blocked_lock:
+        _blocked_reads.discard(str(path))
+    if isinstance(outcome[0], OSError):
+        raise WeightError(f"{path}: cannot read: {outcome[0]}")
+    return outcome[0]
+
+
+def _indexed_files(index: Path, deadline: _Deadline | None = None) -> list[str]:
     """The shard names an index's ``weight_map`` points to."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        text = index.read_text() if deadline is None else _read_by(index, deadline).decode()
+        weight_map = json.loads(text).get("weight_map")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise WeightError(f"{index}: not a readable JSON index: {e}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -42,9 +97,10 @@ def _indexed_files(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def _load_shard(path: Path) -> dict[str, torch.Tensor]:
+def _load_shard(path: Path, deadline: _Deadline | None = None) -> dict[str, torch.Tensor]:
+    data = None if deadline is None else _read_by(path, deadline)
     try:
-        return load_file(str(path))
+        return load_file(str(path)) if data is None else load(data)
     except Exception as e:  # safetensors raises its own SafetensorError, the OS FileNotFoundError
         raise WeightError(f"{path}: cannot read safetensors: {e}") from None
 
@@ -73,10 +129,32 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complet
 
 
 @torch.no_grad()
+def check_finite(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> None:
+    """Raise WeightError naming the tensors with a NaN, an infinity, or a value the model's dtype
+    (``dtypes[name]``) cannot hold. One min/max pass per tensor and one device sync per bucket."""
+    flags, names = [], []
+    for name, t in tensors.items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        target = dtypes.get(name, t.dtype)
+        limit = torch.finfo(target if target.is_floating_point else t.dtype).max
+        lo, hi = torch.aminmax(t)
+        flags.append((lo >= -limit) & (hi <= limit))  # false for NaN too: every comparison with NaN is
+        names.append(name)
+    if not flags or bool(torch.stack(flags).all()):
+        return
+    bad = [n for n, ok in zip(names, torch.stack(flags).tolist(), strict=True) if not ok]
+    raise WeightError(f"non-finite values (NaN, infinity, or beyond the model's dtype) in {', '.join(bad[:5])}"
+                      + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "") + "; the served weights are kept")
+
+
+@torch.no_grad()
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complete: bool) -> int:
-    """Check everything first, then copy (casting to the model's dtype); returns tensors loaded."""
+    """Check everything first (names, shapes, finiteness), then copy (casting to the model's dtype);
+    returns tensors loaded."""
     check_weights(model, tensors, complete=complete)
     params = dict(model.state_dict())
+    check_finite(tensors, {name: p.dtype for name, p in params.items()})
     loaded = 0
     for name, t in tensors.items():
         if name in params:  # a tied lm_head.weight is the embedding, already loaded
