@@ -241,8 +241,8 @@ def test_racing_pause_and_continue_leave_health_and_generation_consistent(server
         if health == 200 and not generate_ok(server.url, timeout=20):
             violations.append(attempt)
         assert call(server.url, "/continue_generation", {}, timeout=10)[0] == 200
-        status, reply = call(server.url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
-                             timeout=30)
+        status, reply = call(server.url, "/generate",
+                             {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}, timeout=30)
         assert status == 200 and len(reply["output_ids"]) == 2, f"attempt {attempt}: after continue: {reply}"
     assert not violations, f"/health said 200 while /generate hung after attempts {violations}"
 
