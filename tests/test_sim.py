@@ -21,7 +21,7 @@ from megatron_areal.model.counts import (
     param_count,
     weight_bytes,
 )
-from megatron_areal.sim.calibrate import calibrate, read_scalars
+from megatron_areal.sim.calibrate import _truncated_mean, calibrate, read_scalars
 from megatron_areal.sim.cli import main as simulate_main
 from megatron_areal.sim.costs import CostModel, decode_cost, sum_max_linear
 from megatron_areal.sim.engine import simulate
@@ -166,7 +166,9 @@ def test_cli_prints_prediction_and_plots(tmp_path, capsys):
     assert simulate_main([str(cfg), "sim.gpu=TPU"]) == 2
 
 
-def _write_events(run_dir, r) -> None:
+def _write_events(run_dir, r, loss_per_token: float = 1.0, extra: dict[str, float] | None = None) -> None:
+    """The scalars a trainer logs for the simulated run ``r``: ``loss_per_token`` of every trained token
+    counts as trained (the rest are prompt tokens), ``extra`` tags are logged as constants."""
     from torch.utils.tensorboard import SummaryWriter
 
     sc = r.scenario
@@ -179,7 +181,9 @@ def _write_events(run_dir, r) -> None:
         dt = s.time - t0
         w.add_scalar("perf/step_time_s", dt, i)
         w.add_scalar("perf/gen_tokens_per_s", (s.gen_tokens - g0) / dt, i)
-        w.add_scalar("perf/train_tokens_per_s", (s.trained_tokens - tr0) / dt, i)
+        w.add_scalar("perf/train_tokens_per_s", loss_per_token * (s.trained_tokens - tr0) / dt, i)
+        for tag, value in (extra or {}).items():
+            w.add_scalar(tag, value, i)
         w.add_scalar("perf/generator_idle_fraction", 1 - (s.gen_busy - gb0) / (dt * r.scenario.n_servers), i)
         w.add_scalar("perf/trainer_idle_fraction", 1 - (s.train_busy - tb0) / dt, i)
         w.add_scalar("perf/weight_sync_s", sync_s, i)
@@ -201,6 +205,32 @@ def test_calibration_recovers_known_overhead(tmp_path):
     assert cal.step_time_error < 0.1
     with pytest.raises(ValueError, match="no TensorBoard event files"):
         read_scalars(tmp_path / "empty")
+
+
+def test_calibration_of_a_prompt_heavy_run_that_discards_groups(tmp_path):
+    """The main job on a CPU: short responses after long prompts, and most groups filtered out untrained.
+    Its metrics count trained (loss) tokens and the filtered groups; the fit must put both into the
+    simulator's terms (every token of a batch; generation that is thrown away) to reproduce the run."""
+    truth = from_config(small("staleness.eta=2", "rollout.max_new_tokens=64", "sim.prompt_mean_tokens=120",
+                              "sim.response_mean_tokens=40", "sim.response_sigma=1.0", "sim.steps=12",
+                              "sim.decode_step_overhead_s=0.004", "sim.train_mfu=0.25",
+                              "sim.update_overhead_s=1.5")).replace(discard_fraction=0.6)
+    r = simulate(truth)
+    assert r.discarded > r.trained  # most finished groups never reach the trainer
+    mean_response = _truncated_mean(40, 1.0, 64)
+    all_per_loss = (120 + mean_response) / mean_response
+    _write_events(tmp_path, r, loss_per_token=1 / all_per_loss, extra={
+        "rollout/response_len_mean": mean_response, "rollout/filtered_groups": r.discarded,
+        "perf/train_all_tokens_per_s": 100.0 * all_per_loss, "perf/train_compute_tokens_per_s": 100.0})
+    start = truth.replace(discard_fraction=0.0, sim=dataclasses.replace(
+        truth.sim, decode_step_overhead_s=5e-4, train_mfu=0.4, prompt_mean_tokens=400, response_mean_tokens=600))
+    cal = calibrate(start, read_scalars(tmp_path))
+    assert cal.result.scenario.discard_fraction == pytest.approx(0.6, abs=0.1)
+    assert cal.result.scenario.sim.prompt_mean_tokens == pytest.approx(120, rel=0.02)
+    assert cal.result.scenario.sim.response_mean_tokens == pytest.approx(40, rel=0.02)
+    # (train_mfu itself is not identifiable here: the DP gradient all-reduce bounds these small steps)
+    assert cal.result.train_utilisation == pytest.approx(r.train_utilisation, abs=0.1)
+    assert cal.step_time_error < 0.15
 
 
 def test_cli_calibrate(tmp_path, capsys):

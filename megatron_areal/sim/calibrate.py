@@ -72,11 +72,14 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[float]]:
 
 
 def _busy_rate(scalars: dict[str, list[float]], rate: str, idle: str) -> float:
-    r = statistics.fmean(scalars[rate])
-    f = statistics.fmean(scalars[idle]) if idle in scalars else 0.0
-    if f >= 1:
-        raise CalibrationError(f"{idle} averages {f:.2f}: the side never worked")
-    return r / (1 - f)
+    """Tokens per busy second over the whole run: every step's tokens over every step's busy time (a
+    mean of per-step ratios would overweight short steps, and steps vary when groups are discarded)."""
+    times = scalars["perf/step_time_s"]
+    idle_f = scalars.get(idle, [0.0] * len(times))
+    busy = sum((1 - f) * t for f, t in zip(idle_f, times))
+    if busy <= 0:
+        raise CalibrationError(f"{idle} is 1 at every step: the side never worked")
+    return sum(r * t for r, t in zip(scalars[rate], times)) / busy
 
 
 def _bisect(fn, lo: float, hi: float, target: float, iters: int, log_scale: bool) -> float:
