@@ -153,3 +153,13 @@ def test_launcher_terminal_shows_each_step_and_the_accuracy(run: tuple) -> None:
     evals = {e["label"]: e["accuracy"] for e in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
     expected = f"held-out accuracy {100 * evals['before']:.1f}% -> {100 * evals['after']:.1f}%"
     assert expected in out and f"run directory: {run_dir}" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_run_writes_a_timeline_that_adds_up(run: tuple) -> None:
+    """timeline.json and its summary (megatron_areal/timeline.py): a valid Chrome trace in which every role's
+    activities tile its wall time, with the trainer's phases, each weight push and the servers' work on it."""
+    from test_timeline import assert_run_timeline
+
+    _, run_dir, _ = run
+    assert_run_timeline(run_dir, STEPS)

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from megatron_areal.config import load_config
 from megatron_areal.run.control import checkpoint_on_usr1
@@ -17,6 +18,7 @@ from megatron_areal.run.plan import Plan
 from megatron_areal.run.registry import wait_for_servers
 from megatron_areal.run.rundir import RunDir
 from megatron_areal.run.secrets import apply_env_api_key
+from megatron_areal.trainer import run_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     cfg = apply_env_api_key(load_config(args.config, args.overrides))
     checkpoint_on_usr1(cfg.train.run_dir, f"trainer rank {rank}")  # any rank's USR1 asks for one
+    if rank == "0":
+        run_timeline.begin(Path(args.plan))
     plan = Plan.load(args.plan)
-    urls = wait_for_servers(RunDir.of(cfg).resolved().servers, list(plan.servers),
-                            cfg.server.startup_timeout_s)
+    registrations = RunDir.of(cfg).resolved().servers
+    urls = wait_for_servers(registrations, list(plan.servers), cfg.server.startup_timeout_s)
+    run_timeline.servers_ready(registrations, urls)
     from megatron_areal.trainer.loop import run_trainer  # heavy (Megatron); imported once the servers are up
 
     run_trainer(cfg, urls)

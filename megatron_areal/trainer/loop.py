@@ -12,42 +12,54 @@ import time
 
 import torch.distributed as dist
 
+from megatron_areal import timeline
 from megatron_areal.config import Config
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.run.control import StepControl
+from megatron_areal.trainer import run_timeline
 from megatron_areal.trainer.policy import Policy
 from megatron_areal.trainer.rank0 import NoDuties, Rank0Duties, StepTimes
+from megatron_areal.trainer.run_timeline import TRAINER
 
 
 def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     """One trainer rank's whole run: build the policy (and on rank 0 its duties), then per step take a batch,
     train, push the weights, checkpoint when due, and stop early when the run directory asks."""
-    policy = Policy.build(cfg, server_urls)
+    with timeline.activity(TRAINER, "loading model"):
+        policy = Policy.build(cfg, server_urls)
     rank0 = dist.get_rank() == 0
-    duties = Rank0Duties.build(cfg, policy.hf_dir, policy.fleet, policy.weights, policy.version, policy.step,
-                               policy.rollout_state) if rank0 else NoDuties()
+    with timeline.activity(TRAINER, "preparing rollouts"):
+        duties = Rank0Duties.build(cfg, policy.hf_dir, policy.fleet, policy.weights, policy.version, policy.step,
+                                   policy.rollout_state) if rank0 else NoDuties()
     control = StepControl(policy.run_dir.root, rank0, agree=from_rank0)
     stopped_on_request = False
+    timeline.set_state(TRAINER, "between steps")  # what no phase below claims: the loop's own overhead
     try:
         duties.start(policy.step)
         while not policy.done:
             start = time.monotonic()
-            batch = broadcast_batch(duties.take_batch())
+            with timeline.activity(TRAINER, "waiting for batch"):
+                batch = broadcast_batch(duties.take_batch())
             batch_in = time.monotonic()
-            stats = policy.train(batch)
+            with timeline.activity(TRAINER, "training"):
+                stats = policy.train(batch)
             times = StepTimes(start, batch_in, time.monotonic())
             duties.hold_generation()
-            sync = policy.push(duties.rollout_state)
+            with timeline.activity([TRAINER, *timeline.server_roles()], "weight update"):
+                sync = policy.push(duties.rollout_state)
             duties.after_step(policy.step, policy.version, batch, stats, times, sync)
             if policy.checkpoint_due():
-                policy.save(duties.rollout_state)
+                with timeline.activity(TRAINER, "checkpointing"):
+                    policy.save(duties.rollout_state)
             if not policy.done and control.stop_after(policy.step, save=lambda: policy.save(duties.rollout_state)):
                 stopped_on_request = True
                 break
         duties.finish(policy.step, stopped_on_request)
     finally:
+        timeline.set_state(TRAINER, "closing")
         duties.close()
         policy.close()
+        run_timeline.finish(policy.run_dir.root)
 
 
 def broadcast_batch(batch: list[Trajectory] | None, src: int = 0) -> list[Trajectory]:

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from megatron_areal import timeline
 from megatron_areal.config import Config
 from megatron_areal.ledger import TrainedLedger
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.run.rundir import RunDir
+from megatron_areal.trainer.run_timeline import EVALUATION, TRAINER
 
 T = TypeVar("T")
 
@@ -136,7 +138,8 @@ class Rank0Duties:
     def hold_generation(self) -> None:
         """Hold new groups and re-posts (the weight mover pauses the servers itself), once the starting
         policy's evaluation is done."""
-        self.before.result()
+        with timeline.activity(TRAINER, "waiting for evaluation"):
+            self.before.result()
         self.controller.pause_generation(pause_servers=False)
 
     def after_step(self, step: int, version: int, batch: list[Trajectory], stats: dict[str, float],
@@ -148,7 +151,8 @@ class Rank0Duties:
         self.metrics.advance(step, step_metrics(stats, self.controller.metrics(), times, sync))
         every, steps = self.cfg.train.eval_every, self.cfg.train.steps
         if every and step % every == 0 and step < steps:
-            evaluate_held_out(self, step, "during")
+            with timeline.activity(TRAINER, "evaluating"):
+                evaluate_held_out(self, step, "during")
         if step == steps:  # the final weights are on the servers: evaluate them while the trainer saves
             self.controller.stop()
             self.final_eval = in_background(evaluate_held_out, self, step, "after")
@@ -162,7 +166,8 @@ class Rank0Duties:
         or re-admitted."""
         if not stopped_on_request:  # a run stopped to requeue spends no time on the final eval
             self.controller.stop()
-            after = self.final_eval.result() if self.final_eval else evaluate_held_out(self, step, "after")
+            with timeline.activity(TRAINER, "evaluating"):
+                after = self.final_eval.result() if self.final_eval else evaluate_held_out(self, step, "after")
             before = self.before.result()
             if before is not None and after is not None:
                 logger.info("held-out accuracy %.1f%% -> %.1f%% (%+.1f points) over %d steps", 100 * before,
@@ -188,8 +193,9 @@ def evaluate_held_out(duties: Rank0Duties, step: int, label: str) -> float | Non
     cfg = duties.cfg
     if not duties.eval_prompts:
         return None
-    result = evaluate(duties.fleet, duties.eval_prompts, duties.tokenizer, duties.rewards,
-                      max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template)
+    with timeline.activity(EVALUATION, "evaluating"):
+        result = evaluate(duties.fleet, duties.eval_prompts, duties.tokenizer, duties.rewards,
+                          max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template)
     duties.metrics.log(step, result.as_metrics())
     logger.info("eval %s (step %d): accuracy %.1f%% on %d held-out prompts of %s (%.0f s)", label, step,
                 100 * result.accuracy, result.n, cfg.data.eval, result.seconds)
