@@ -16,7 +16,7 @@ import pytest
 
 from megatron_areal.reward import RewardConfig, RewardService, SandboxUnavailable, UnknownTask, default_registry
 from megatron_areal.reward.arithmetic import extract_number, verify_number
-from megatron_areal.reward.math_answer import verify_math
+from megatron_areal.reward.math_answer import check_math, verify_math
 
 TIMEOUT_S = 3.0
 
@@ -176,6 +176,15 @@ def test_giant_math_answer_is_refused_without_a_worker_restart(service: RewardSe
 ])
 def test_large_but_reasonable_math_answers_still_verify(reply: str, gold: str) -> None:
     assert verify_math(reply, gold) == 1.0
+
+
+def test_math_verifier_stops_at_its_cpu_deadline_and_can_go_on() -> None:
+    """A budget too small for any comparison ends it with a 0; the next answer, with the normal budget,
+    is verified in the same process (the timer and its handler were restored)."""
+    reply = "So \\boxed{y^2+4y+4}"  # not used elsewhere: math-verify caches parses
+    stopped = check_math(reply, "(y+2)^2", deadline_s=1e-4)
+    assert stopped.reward == 0.0 and "CPU seconds" in stopped.detail
+    assert check_math(reply, "(y+2)^2").reward == 1.0
 
 
 def test_crashing_worker_is_replaced(service: RewardService) -> None:

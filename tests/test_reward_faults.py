@@ -18,6 +18,7 @@ import pytest
 
 from megatron_areal.reward import RewardConfig, RewardService, SandboxUnavailable
 from megatron_areal.reward.cgroup import find_base
+from megatron_areal.reward.sandbox import SandboxLimits, run_answer
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (apt install bubblewrap)")
 
@@ -312,6 +313,7 @@ def children_holding(n, mb):
             try:
                 block = b"\x01" * (mb << 20)
                 os.write(ready_w, b"1")
+                os.close(ready_w)  # so that the parent sees EOF once every child wrote or died
                 os.read(done_r, 1)  # hold it until the parent has counted everyone
             finally:
                 os._exit(0)
@@ -327,13 +329,16 @@ def children_holding(n, mb):
 
 
 @pytest.mark.skipif(find_base() is None, reason="no writable memory cgroup here: the limit holds per process only")
-def test_memory_limit_holds_for_the_whole_sandbox(service: RewardService) -> None:
+def test_memory_limit_holds_for_the_whole_sandbox() -> None:
     """Five children of 150 MB each stay under the 256 MB per-process limit but not under 256 MB
-    for the sandbox: the run must not hold all of them at once."""
-    reward, detail = _score(service, MEMORY_SPLIT, "assert children_holding(5, 150) == 5\n")
-    assert reward == 0.0, "5 x 150 MB held in a sandbox limited to 256 MB"
-    reward, detail = _score(service, MEMORY_SPLIT, "assert children_holding(2, 60) == 2\n")
-    assert reward == 1.0, f"two children of 60 MB fit in 256 MB: {detail}"
+    for the sandbox: the run must not hold all of them at once. A generous wall-clock limit, so
+    that only the memory limit can stop it on a loaded machine."""
+    limits = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mb=256, max_processes=16)
+    result = run_answer(MEMORY_SPLIT, "assert children_holding(5, 150) == 5\n", limits)
+    assert not result.passed, "5 x 150 MB held in a sandbox limited to 256 MB"
+    assert result.oom_kills > 0 and "memory limit" in result.describe(), result.describe()
+    result = run_answer(MEMORY_SPLIT, "assert children_holding(2, 60) == 2\n", limits)
+    assert result.passed, f"two children of 60 MB fit in 256 MB: {result.describe()}"
 
 
 # ---- 11. no bubblewrap: a clear error at start, naming the package ---------------------------

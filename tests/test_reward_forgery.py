@@ -130,7 +130,7 @@ def attack_source(problem: dict, attack: str) -> str:
     raise ValueError(f"unknown attack {attack!r}")
 
 
-ATTACKS = ("wrong", "shadow", "always_equal", "both", "harness")
+ATTACKS = ("shadow", "always_equal", "both", "harness")  # "wrong" alone passed none before either
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +174,37 @@ def test_no_attack_passes_any_problem(service: RewardService, humaneval_problems
     passed = score_all(service, humaneval_problems, attack)
     logger.info("attack %s: %d of %d problems pass", attack, len(passed), len(humaneval_problems))
     assert not passed, f"{attack}: {len(passed)} of {len(humaneval_problems)} wrong answers pass: {sorted(passed)}"
+
+
+def _score(service: RewardService, code: str, tests: str, entry: str | None = None) -> tuple[float, str]:
+    answer = {"tests": tests, **({"entry_point": entry} if entry else {})}
+    result = service.score_sync("code", code, answer)
+    return result.reward, result.detail
+
+
+def test_tests_see_only_the_entry_point(service: RewardService) -> None:
+    code = "def solve(x):\n    return x\nextra = 1\nabs = lambda x: 0\n"
+    tests = ("def check(candidate):\n    assert candidate(2) == 2\n"
+             "    assert 'extra' not in globals() and 'abs' not in globals()\n    assert abs(-3) == 3\n")
+    reward, detail = _score(service, code, tests, entry="solve")
+    assert reward == 1.0, detail
+
+
+def test_without_an_entry_point_the_tests_take_their_free_names_but_no_builtin(service: RewardService) -> None:
+    code = "def add(a, b):\n    return a + b\nlen = lambda x: 0\nrange = lambda *a: []\n"
+    tests = "assert add(2, 3) == 5\nassert len([1, 2]) == 2\nassert list(range(3)) == [0, 1, 2]\n"
+    reward, detail = _score(service, code, tests)
+    assert reward == 1.0, detail
+
+
+def test_an_object_returned_by_the_answer_fails_even_where_the_tests_catch_errors(service: RewardService) -> None:
+    """A test that expects a TypeError must not be satisfied by the answer returning an object."""
+    code = "def solve(x):\n    return _AlwaysEqual()\n" + ALWAYS_EQUAL
+    tests = ("def check(candidate):\n    try:\n        result = candidate('not a number')\n"
+             "    except TypeError:\n        return\n    assert result == 'a number'\n")
+    reward, detail = _score(service, code, tests, entry="solve")
+    assert reward == 0.0, detail
+    generator = "def solve(n):\n    return (i for i in range(n))\n"
+    reward, detail = _score(service, generator, "def check(candidate):\n    assert list(candidate(3)) == [0, 1, 2]\n",
+                            entry="solve")
+    assert reward == 0.0 and "cannot cross" in detail, detail

@@ -102,6 +102,18 @@ def _v1_base(mounts: list[tuple[str, str, str, str]], own: dict[str, str]) -> Cg
     return None
 
 
+def _remove_orphans(base: CgroupBase) -> None:
+    """Remove the cgroups left by services that died in the middle of a run (their names carry the
+    owner's pid); a cgroup still in use is never empty, and rmdir refuses it."""
+    for child in base.path.glob(f"{_PREFIX}*-*"):
+        owner = child.name[len(_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not Path("/proc", owner).exists():
+            try:
+                child.rmdir()
+            except OSError:
+                pass
+
+
 @functools.lru_cache(maxsize=1)
 def find_base() -> CgroupBase | None:
     """Where this process may make per-sandbox memory cgroups, or None (logged once)."""
@@ -110,6 +122,8 @@ def find_base() -> CgroupBase | None:
     except OSError:
         mounts, own = [], {}
     base = _v2_base(mounts, own) or _v1_base(mounts, own)
+    if base is not None:
+        _remove_orphans(base)
     if base is None:
         logger.warning("no writable memory cgroup for the code sandbox: its memory limit holds per process, "
                        "not per sandbox (see SECURITY.md)")
@@ -123,7 +137,7 @@ class SandboxCgroup:
 
     def __init__(self, base: CgroupBase, memory_bytes: int) -> None:
         self.base = base
-        self.path = base.path / f"{_PREFIX}{secrets.token_hex(8)}"
+        self.path = base.path / f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self.path.mkdir()
         try:
             if base.version == 2:

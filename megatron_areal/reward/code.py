@@ -41,7 +41,11 @@ def build_program(response_text: str, answer: Mapping[str, Any]) -> SandboxTask:
         raise ValueError("a code answer needs non-empty 'tests' source")
     code = extract_code(response_text)
     entry = answer.get("entry_point") or None
+    if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
+        raise ValueError(f"a code answer's 'entry_point' must be a Python name, got {entry!r}")
     prefix = answer.get("prefix") or ""
+    if not isinstance(prefix, str):
+        raise ValueError(f"a code answer's 'prefix' must be source text, got {type(prefix).__name__}")
     if prefix and (entry is None or not re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE)):
         code = prefix + code  # a completion that continues the given signature
     if entry:

@@ -283,8 +283,10 @@ def _open_init(info_r: int, proc: subprocess.Popen) -> int | None:
     try:
         pid = int(json.loads(data)["child-pid"])
         return os.pidfd_open(pid)
-    except (ValueError, KeyError, TypeError, ProcessLookupError) as e:
-        logger.warning("bubblewrap's report of its init (%r) is unusable: %s", data[:200], e)
+    except ProcessLookupError:  # already gone, and with it the whole namespace
+        return None
+    except (ValueError, KeyError, TypeError, OSError) as e:  # OSError: a kernel without pidfd_open
+        logger.warning("cannot wait for the sandbox's processes (bubblewrap reported %r): %s", data[:200], e)
         return None
 
 
