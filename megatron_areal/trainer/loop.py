@@ -8,6 +8,7 @@ other ranks that object does nothing, so the loop has no rank branches.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from megatron_areal.config import Config
 from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.run.control import StepControl
 from megatron_areal.trainer import run_timeline
-from megatron_areal.trainer.policy import Policy
+from megatron_areal.trainer.policy import Policy, open_fleet
 from megatron_areal.trainer.rank0 import NoDuties, Rank0Duties, StepTimes
 from megatron_areal.trainer.run_timeline import TRAINER
 
@@ -25,12 +26,22 @@ from megatron_areal.trainer.run_timeline import TRAINER
 def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     """One trainer rank's whole run: build the policy (and on rank 0 its duties), then per step take a batch,
     train, push the weights, checkpoint when due, and stop early when the run directory asks."""
-    with timeline.activity(TRAINER, "loading model"):
-        policy = Policy.build(cfg, server_urls)
+    early = evaluate_while_loading(cfg, server_urls)
+    try:
+        with timeline.activity(TRAINER, "loading model"):
+            policy = Policy.build(cfg, server_urls, fleet=early.fleet if early else None)
+    except BaseException:
+        if early:  # the fleet's close ends the evaluation's requests
+            early.fleet.close()
+            early.close()
+        raise
     rank0 = dist.get_rank() == 0
-    with timeline.activity(TRAINER, "preparing rollouts"):
-        duties = Rank0Duties.build(cfg, policy.hf_dir, policy.fleet, policy.weights, policy.version, policy.step,
-                                   policy.rollout_state) if rank0 else NoDuties()
+    if early:
+        duties = early.attach(policy.weights)
+    else:
+        with timeline.activity(TRAINER, "preparing rollouts"):
+            duties = Rank0Duties.build(cfg, policy.hf_dir, policy.fleet, policy.weights, policy.version, policy.step,
+                                       policy.rollout_state) if rank0 else NoDuties()
     control = StepControl(policy.run_dir.root, rank0, agree=from_rank0)
     stopped_on_request = False
     timeline.set_state(TRAINER, "between steps")  # what no phase below claims: the loop's own overhead
@@ -60,6 +71,24 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
         duties.close()
         policy.close()
         run_timeline.finish(policy.run_dir.root)
+
+
+def evaluate_while_loading(cfg: Config, server_urls: list[str]) -> Rank0Duties | None:
+    """On rank 0 of a fresh run: rank 0's duties built before the model, with the starting policy's held-out
+    evaluation under way on the servers, which would otherwise idle while the trainer loads the model (a
+    resumed run's servers get its weights first, so it evaluates after loading, as before). None elsewhere."""
+    from megatron_areal.assets import resolve_model
+    from megatron_areal.checkpoint.training import list_checkpoints
+    from megatron_areal.run.rundir import RunDir
+
+    if os.environ.get("RANK", "0") != "0":  # the process group does not exist yet
+        return None
+    if cfg.checkpoint.resume and list_checkpoints(RunDir.of(cfg).checkpoints):
+        return None
+    with timeline.activity(TRAINER, "preparing rollouts"):
+        duties = Rank0Duties.build(cfg, resolve_model(cfg.model.path), open_fleet(cfg, server_urls), None, 0, 0, None)
+    duties.evaluate_start(0)
+    return duties
 
 
 def broadcast_batch(batch: list[Trajectory] | None, src: int = 0) -> list[Trajectory]:

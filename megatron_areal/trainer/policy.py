@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 RolloutState = Callable[[], "dict[str, Any] | None"]  # rank 0's controller state; None elsewhere
 
 
+def open_fleet(cfg: Config, server_urls: list[str]) -> Fleet:
+    """Rank 0's connections to the rollout servers, shared by rollouts, evaluation and the weight push."""
+    return Fleet(server_urls, api_key=cfg.server.api_key, request_timeout_s=cfg.rollout.request_timeout_s,
+                 control_timeout_s=cfg.realloc.timeout_s, engine=cfg.server.engine)
+
+
 @dataclass
 class Policy:
     """The trained model on one rank: actor, checkpoints and weight push, at ``step`` / ``version``."""
@@ -49,9 +55,10 @@ class Policy:
     saved_step: int = 0
 
     @classmethod
-    def build(cls, cfg: Config, server_urls: list[str]) -> Policy:
+    def build(cls, cfg: Config, server_urls: list[str], fleet: Fleet | None = None) -> Policy:
         """Process groups, the actor with the HF weights, the newest checkpoint (when resuming) and the
-        weight push; servers get the resumed weights before the first rollout."""
+        weight push; servers get the resumed weights before the first rollout. Rank 0 pushes through
+        ``fleet`` when given (opened earlier, see ``loop.evaluate_while_loading``), else its own."""
         from megatron_areal.actor.actor import Actor
         from megatron_areal.actor.parallel import init_parallel
         from megatron_areal.assets import resolve_model
@@ -77,9 +84,8 @@ class Policy:
         if latest is not None:
             step, extra = checkpoints.load(latest, actor.model, actor.optimizer, actor.scheduler)
         version = int(extra.get("version", 0))
-        fleet = Fleet(server_urls, api_key=cfg.server.api_key, request_timeout_s=cfg.rollout.request_timeout_s,
-                      control_timeout_s=cfg.realloc.timeout_s,
-                      engine=cfg.server.engine) if dist.get_rank() == 0 else None
+        if dist.get_rank() == 0 and fleet is None:
+            fleet = open_fleet(cfg, server_urls)
         weights = WeightSync(actor.model, arch, groups, server_urls, config=cfg.realloc, server_tp=cfg.server.tp,
                              api_key=cfg.server.api_key, template_dir=hf_dir, fleet=fleet, engine=cfg.server.engine)
         if version > 0:  # the servers started from the base model: give them the resumed policy first

@@ -84,7 +84,7 @@ class Rank0Duties:
 
     cfg: Config
     fleet: Fleet
-    weights: WeightSync
+    weights: WeightSync | None  # None until the policy is built (``attach``)
     controller: RolloutController
     rewards: RewardService
     tokenizer: PreTrainedTokenizerBase
@@ -95,7 +95,7 @@ class Rank0Duties:
     final_eval: cf.Future[float | None] | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, cfg: Config, hf_dir: Path, fleet: Fleet, weights: WeightSync, version: int, step: int,
+    def build(cls, cfg: Config, hf_dir: Path, fleet: Fleet, weights: WeightSync | None, version: int, step: int,
               rollout_state: dict | None) -> Rank0Duties:
         """Rank 0's duties for a run: tokenizer, datasets, reward pool, rollout controller (restored from
         ``rollout_state``), metrics and ledger."""
@@ -129,7 +129,17 @@ class Rank0Duties:
         background: the first step trains meanwhile, and its weight push waits for the evaluation
         (``hold_generation``), so the evaluation sees the starting weights."""
         self.controller.start()
+        if self.before is None:
+            self.evaluate_start(step)
+
+    def evaluate_start(self, step: int) -> None:
+        """Evaluate the starting policy (or read back a resumed run's result) in the background."""
         self.before = in_background(before_accuracy, self, step)
+
+    def attach(self, weights: WeightSync) -> Rank0Duties:
+        """The built policy's weight push (duties built before the policy); returns self."""
+        self.weights = weights
+        return self
 
     def take_batch(self) -> list[Trajectory]:
         """The next admissible batch from the rollout controller (blocks)."""
@@ -173,7 +183,7 @@ class Rank0Duties:
                 logger.info("held-out accuracy %.1f%% -> %.1f%% (%+.1f points) over %d steps", 100 * before,
                             100 * after, 100 * (after - before), step)
         w = self.weights
-        if w.readmitted or w.lost:
+        if w is not None and (w.readmitted or w.lost):
             logger.warning("rollout servers: %d re-admitted after a restart (rollout/server_restarts), %d still "
                            "out at the end%s", w.readmitted, len(w.lost),
                            f" ({', '.join(w.lost)})" if w.lost else "")
