@@ -8,7 +8,7 @@ this class maps them onto vLLM's routes (served with ``VLLM_SERVER_DEV_MODE=1``)
 | ``generate``                            | ``POST /inference/v1/generate`` (token ids in and out)      |
 | ``pause(mode)`` / ``resume``            | ``POST /pause?mode=abort|keep`` / ``POST /resume``          |
 | ``abort`` / ``abort_all``               | ``POST /abort_requests``                                    |
-| ``init_weights_update_group``           | ``POST /init_weight_transfer_engine``                       |
+| ``init_weights_update_group``           | ``POST /init_weight_transfer_engine`` (replaces the group)  |
 | ``begin_weight_update`` / ``end_...``   | ``POST /start_weight_update`` / ``/finish_weight_update``   |
 | ``update_weights_from_distributed``     | ``POST /update_weights``                                    |
 | ``weight_version``                      | ``GET /weight_info``                                        |
@@ -193,8 +193,11 @@ class VLLMClient(RolloutClient):
             "world_size": world_size, "group_name": group_name, "timeout_s": self.control_timeout_s}})
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        """``/shutdown_weight_transfer_engine``."""
-        await self._control("/shutdown_weight_transfer_engine", {})
+        """Nothing over HTTP: vLLM refuses ``/shutdown_weight_transfer_engine`` inside a weight-update
+        session (and its engine core dies of the refusal), and the weight push re-forms groups inside
+        sessions (a server joining, the membership changing). The trainer closes its end; the server's
+        engine replaces its group at the next ``/init_weight_transfer_engine`` (``vllm_plugin/gloo_engine``)."""
+        log.debug("%s: weight group %s left to be replaced at the next init", self.url, group_name)
 
     async def begin_weight_update(self) -> None:
         """``/start_weight_update``."""
