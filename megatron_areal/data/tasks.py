@@ -6,7 +6,7 @@ from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 
-from megatron_areal.data import arithmetic, packaged
+from megatron_areal.data import arithmetic, calculator, packaged
 from megatron_areal.data.config import DataConfig
 from megatron_areal.data.jsonl import load_jsonl
 from megatron_areal.data.prompt import DataError, Prompt
@@ -22,6 +22,8 @@ def _fixed(loader: Callable[[int | None], list[Prompt]]) -> Loader:
 BUILTIN_TASKS: Mapping[str, Loader] = MappingProxyType({
     "arithmetic": arithmetic.arithmetic_train,
     "arithmetic-eval": arithmetic.arithmetic_eval,
+    "calculator": calculator.calculator_train,  # agent episodes with a calculator tool
+    "calculator-eval": calculator.calculator_eval,
     "math500": _fixed(partial(packaged.mmath, "MATH500", "math500")),
     "aime2024": _fixed(partial(packaged.mmath, "AIME2024", "aime2024")),
     "aime2025": _fixed(partial(packaged.mmath, "AIME2025", "aime2025")),

@@ -106,6 +106,7 @@ class Rank0Duties:
         from megatron_areal.data.template import encode_prompt
         from megatron_areal.metrics import MetricsWriter
         from megatron_areal.reward import RewardService
+        from megatron_areal.agent.from_config import episode_runner
         from megatron_areal.rollout.controller import RolloutController
 
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -116,7 +117,8 @@ class Rank0Duties:
             cfg.rollout, cfg.staleness, fleet, stream,
             encode=lambda p: encode_prompt(tokenizer, p, cfg.data.chat_template),
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            scorer=rewards, api_key=cfg.server.api_key, version=version)
+            scorer=rewards, api_key=cfg.server.api_key, version=version,
+            episodes=episode_runner(cfg.rollout, tokenizer, cfg.model.max_seq_len))
         if rollout_state is not None:
             controller.load_state_dict(rollout_state)
         metrics = MetricsWriter(cfg.train.run_dir, total_steps=cfg.train.steps, start_step=step,
@@ -204,11 +206,19 @@ def evaluate_held_out(duties: Rank0Duties, step: int, label: str) -> float | Non
     if not duties.eval_prompts:
         return None
     with timeline.activity(EVALUATION, "evaluating"):
-        result = evaluate(duties.fleet, duties.eval_prompts, duties.tokenizer, duties.rewards,
-                          max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template)
+        if cfg.rollout.workflow:  # agent episodes: whole episodes played greedily, scored by the agent
+            from megatron_areal.agent.from_config import evaluate_episodes
+            result = evaluate_episodes(duties.fleet, cfg.rollout, duties.tokenizer, duties.eval_prompts,
+                                       cfg.model.max_seq_len)
+        else:
+            result = evaluate(duties.fleet, duties.eval_prompts, duties.tokenizer, duties.rewards,
+                              max_new_tokens=cfg.rollout.max_new_tokens, chat_template=cfg.data.chat_template)
     duties.metrics.log(step, result.as_metrics())
     logger.info("eval %s (step %d): accuracy %.1f%% on %d held-out prompts of %s (%.0f s)", label, step,
                 100 * result.accuracy, result.n, cfg.data.eval, result.seconds)
+    if hasattr(result, "tool_use"):
+        logger.info("eval %s (step %d): the model called a tool in %.1f%% of the episodes", label, step,
+                    100 * result.tool_use)
     append_eval(cfg.train.run_dir, {"step": step, "label": label, "accuracy": result.accuracy, "n": result.n})
     return result.accuracy
 
