@@ -101,12 +101,12 @@ class Rank0Duties:
         ``rollout_state``), metrics and ledger."""
         from transformers import AutoTokenizer
 
+        from megatron_areal.agent.from_config import episode_runner
         from megatron_areal.data.stream import PromptStream
         from megatron_areal.data.tasks import load_datasets
         from megatron_areal.data.template import encode_prompt
         from megatron_areal.metrics import MetricsWriter
         from megatron_areal.reward import RewardService
-        from megatron_areal.agent.from_config import episode_runner
         from megatron_areal.rollout.controller import RolloutController
 
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
