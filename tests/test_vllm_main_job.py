@@ -3,8 +3,8 @@ and survives the server being killed.
 
 The run is ``test_learning_e2e``'s (a tiny random Llama learns to answer with zeros; synchronous, so each
 step's reward is the previous step's policy's) with the rollout server a vLLM CPU process started by
-the launcher from the vLLM environment (``server.python``). It is held after step ``HOLD_AT``, the vLLM
-server is killed with SIGKILL, the launcher starts it again on its port, and the run must finish: the
+the launcher from the vLLM environment (``server.python``), two of them. It is held after step ``HOLD_AT``,
+one vLLM server is killed with SIGKILL, the launcher starts it again on its port, and the run must finish: the
 trainer re-admits the fresh server with the current weights, and the reward must still rise.
 
 Skipped, with the reason, only where the vLLM environment is absent; CI installs it.
@@ -40,7 +40,9 @@ def test_main_job_on_vllm_learns_and_readmits_a_killed_server(tmp_path: Path) ->
     cfg = config(tmp_path)
     # the tiny random Llama of test_learning_e2e with head_dim 32 (vLLM's CPU attention has no 16)
     cfg["model"]["path"] = str(make_tiny_model(tmp_path / "model", "llama", num_heads=2, num_kv_heads=2))
-    cfg["server"].update(engine="vllm", python=VLLM_PYTHON, startup_timeout_s=900, max_restarts=2,
+    # two servers: while the killed one is down the other generates (a run with one server waits for a
+    # batch that no server can produce, and the weight sync that would re-admit it comes after that batch)
+    cfg["server"].update(engine="vllm", python=VLLM_PYTHON, count=2, startup_timeout_s=900, max_restarts=2,
                          restart_backoff_s=0.5)
     cfg["realloc"] = {"timeout_s": 300}
     path = tmp_path / "zeros-vllm.yaml"
