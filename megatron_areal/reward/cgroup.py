@@ -1,11 +1,13 @@
 """One memory cgroup per sandbox, so that its memory limit holds for the whole process tree.
 
 ``RLIMIT_AS`` bounds each process; an answer that forks ``n`` children gets ``n`` times the limit.
-A cgroup bounds their sum. The service makes one child cgroup of its own per sandbox run, under
-cgroup v2 when the memory controller can be delegated to it, else under the cgroup v1 memory
-hierarchy; both need write access to the service's own cgroup directory (root, or a delegated
-subtree such as a systemd user unit with ``Delegate=yes``). Where neither is writable, ``find_base``
-returns ``None`` and the sandbox keeps the per-process limit only (see SECURITY.md).
+A cgroup bounds their sum. The service makes one cgroup per sandbox run: under cgroup v2 as a
+child of its own cgroup or, when that one holds processes and so cannot enable the memory
+controller for children, as a sibling under its parent; else under the cgroup v1 memory
+hierarchy as a child of its own. Each needs write access there (root, or a delegated subtree
+such as a systemd unit with ``Delegate=yes`` whose service runs in a leaf below it). Where none
+is writable, ``find_base`` returns ``None`` and the sandbox keeps the per-process limit only
+(see SECURITY.md).
 
 The sandbox's first process joins the cgroup between fork and exec (``join``), before it drops
 its privileges, so every descendant is inside from its birth.
@@ -72,22 +74,30 @@ def _probe(base: Path, limit_file: str) -> bool:
 
 
 def _v2_base(mounts: list[tuple[str, str, str, str]], own: dict[str, str]) -> CgroupBase | None:
+    """Children of this process's own cgroup (which must then enable the memory controller for them,
+    refused while it holds processes, unless it is the root), else siblings of it under its parent
+    (which already enables memory for its children if this cgroup has the controller)."""
     if "" not in own:
         return None
     for root, point, kind, _ in mounts:
         if kind != "cgroup2":
             continue
-        base = _directory(root, point, own[""])
+        mine = _directory(root, point, own[""])
         try:
-            if "memory" not in (base / "cgroup.controllers").read_text().split():
+            if "memory" not in (mine / "cgroup.controllers").read_text().split():
                 continue
-            control = base / "cgroup.subtree_control"
-            if "memory" not in control.read_text().split():
-                control.write_text("+memory")  # refused while this cgroup holds processes (not the root)
         except OSError:
             continue
-        if _probe(base, "memory.max"):
-            return CgroupBase(base, 2)
+        try:
+            control = mine / "cgroup.subtree_control"
+            if "memory" not in control.read_text().split():
+                control.write_text("+memory")
+            if _probe(mine, "memory.max"):
+                return CgroupBase(mine, 2)
+        except OSError:
+            pass
+        if own[""].strip("/") and _probe(mine.parent, "memory.max"):  # the hierarchy's root has no parent
+            return CgroupBase(mine.parent, 2)
     return None
 
 
