@@ -13,7 +13,8 @@ from typing import Any
 
 from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner, agent_task
 from megatron_areal.agent.workflow import AgentFn
-from megatron_areal.rollout.request import SampleOutput, VersionParser
+from megatron_areal.rollout.client import ServerError
+from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,10 @@ def greedy_generate(clients: list[Any], stop_token_ids: list[int]) -> Any:
     async def generate(prompt_ids: list[int], max_new_tokens: int, key: str) -> SampleOutput:
         client = clients[next(counter) % len(clients)]
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids}
-        result = await client.generate(prompt_ids, params)
+        try:
+            result = await client.generate(prompt_ids, params)
+        except ServerError as e:  # the agent is told the completion failed; the evaluation goes on
+            raise SampleError(str(e)) from e
         return SampleOutput(output_ids=result.output_ids, output_logprobs=result.output_logprobs,
                             output_versions=[parse(v) for v in result.output_versions],
                             finish_reason=result.finish_reason)
