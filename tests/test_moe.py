@@ -5,6 +5,8 @@ are the ones transformers writes.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -475,3 +477,39 @@ def test_cli_refuses_expert_layouts_the_model_cannot_split_into(tiny_moe, tmp_pa
                        "--ep", "2", "--etp", "3"]) == 1
     assert "parallel.etp=3 must divide the model's moe_intermediate_size=40" in capsys.readouterr().err
     assert not (tmp_path / "c").exists() and not (tmp_path / "o.jsonl").exists()
+
+
+# ---------------------------------------------------------------- the pool stays light: groups per layout are bounded
+
+# What Megatron-core's initialize_model_parallel creates per rank on a four-rank world (17 at TP2 x EP2: only 4
+# distinct memberships, 5 of them single-rank; each gloo group keeps about three threads).
+MAX_GROUPS_PER_LAYOUT = 17
+
+
+def groups_across_layouts(layouts: list[tuple[int, int, int, int]]) -> dict:
+    """Live process groups and threads of this rank: left over when called, and around each layout."""
+    from megatron_areal.actor.parallel import init_parallel, live_process_groups, teardown_parallel
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    out = {"left_over": len(live_process_groups()), "rows": []}
+    for tp, pp, ep, etp in layouts:
+        before = threads()
+        init_parallel(tp, pp, backend="gloo", ep=ep, etp=etp)
+        created = len(live_process_groups())
+        teardown_parallel()
+        out["rows"].append({"created": created, "after": len(live_process_groups()),
+                            "extra_threads": threads() - before})
+    return out
+
+
+def test_layouts_leave_no_process_groups_behind(pool):
+    """Megatron's destroy_model_parallel only forgets its groups; the pool once held 511 gloo groups and 1,537
+    threads per rank after this module's layouts. Placed last, this also sees what the module's tests left."""
+    for rank, got in enumerate(pool.run(groups_across_layouts, [*LAYOUTS, *LAYOUTS])):
+        assert got["left_over"] == 0, (rank, got)
+        for row in got["rows"]:
+            assert 0 < row["created"] <= MAX_GROUPS_PER_LAYOUT and row["after"] == 0, (rank, got)
+        # the first layout also starts threads that live as long as the process (thread pools used once)
+        assert all(row["extra_threads"] <= 0 for row in got["rows"][1:]), (rank, got)

@@ -24,6 +24,18 @@ from megatron_areal.actor.cpu_patch import apply_cpu_patch
 
 log = logging.getLogger(__name__)
 
+# The process groups ``initialize_model_parallel`` created for the current layout. Megatron's
+# ``destroy_model_parallel`` only forgets them, and every gloo group keeps its sockets and about three
+# threads, so a pool that tried many layouts ended with hundreds of groups per rank; teardown destroys them.
+_LAYOUT_GROUPS: list[dist.ProcessGroup] = []
+
+
+def live_process_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process other than the world (torch keeps no public list of them)."""
+    from torch.distributed.distributed_c10d import GroupMember, _world
+
+    return [pg for pg in _world.pg_map if pg is not GroupMember.WORLD]
+
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -105,9 +117,11 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1, backend: str = "auto"
         apply_cpu_patch()
     if mpu.model_parallel_is_initialized():
         teardown_parallel()
+    before = set(live_process_groups())
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                   create_gloo_process_groups=backend != "gloo")
+    _LAYOUT_GROUPS[:] = [pg for pg in live_process_groups() if pg not in before]
     model_parallel_cuda_manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     groups = ParallelGroups(
@@ -132,6 +146,11 @@ def teardown_parallel() -> None:
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+    live = set(live_process_groups())
+    for pg in _LAYOUT_GROUPS:
+        if pg in live:  # Megatron destroys its gloo copies of the DP groups itself
+            dist.destroy_process_group(pg)
+    _LAYOUT_GROUPS.clear()
     # The global memory buffer and RNG tracker survive destroy_model_parallel; reset them so the
     # next layout starts clean.
     initialize_rng_tracker(force_reset=True)
