@@ -5,6 +5,7 @@ Each is what a user would write against any OpenAI server: ``client`` is ``opena
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 # What a hostile tool could return: if trained on, it would teach the policy to write it.
@@ -91,3 +92,14 @@ async def counted(task: Any, client: Any) -> float:
         Census.inflight -= 1
     Census.returned += 1
     return float(task.index % 2)
+
+
+async def answer_after_feedback(task: Any, client: Any) -> float:
+    """Two turns: a first reply, feedback from the environment, a second reply that is scored: reward 1 when its
+    last number is 0 (the built-in arithmetic rule with answer 0)."""
+    messages = list(task.messages)
+    await ask(client, messages)
+    messages.append({"role": "tool", "content": "Wrong. The answer is 0."})
+    final = await ask(client, messages)
+    found = re.findall(r"\d+", final.get("content") or "")
+    return float(bool(found) and int(found[-1]) == 0)
