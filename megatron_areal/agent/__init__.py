@@ -7,7 +7,8 @@ OpenAI-compatible endpoint the rollout controller serves, and the episode become
 - ``session`` / ``endpoint``: one episode's record of turns, and the HTTP endpoint serving them.
 - ``workflow``: the user's ``run_episode`` loaded from ``rollout.workflow`` and run with bounds.
 - ``to_trajectories``: an episode -> trajectories with a per-position loss mask.
-- ``runner``: episodes of a group on the rollout loop.
+- ``runner``: episodes of a group on the rollout loop; ``evaluate``: held-out success of greedy episodes;
+  ``from_config``: both built from the run's ``rollout`` section.
 - ``calculator`` / ``calculator_task``: a safe arithmetic tool and the built-in task that needs it.
 
 ``docs/agents.md`` shows how to write an agent.
