@@ -95,6 +95,24 @@ def test_8mb_text_prompt_is_refused_before_tokenising_while_health_answers(serve
     assert generate_ok(server.url)
 
 
+def test_long_text_is_tokenised_off_the_event_loop(model) -> None:
+    """A long context admits a text that takes seconds to tokenise: /health answers meanwhile."""
+    srv = start_embedded(model, args=["--context-length", "65536", "--max-running", "1"])
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            pending = ex.submit(call, srv.url, "/generate", {"text": "7 " * 300_000}, key=None, timeout=300)
+            probes = []
+            while not pending.done():
+                probes.append(call(srv.url, "/health", key=None, timeout=3)[0])
+                time.sleep(0.2)
+            status, reply = pending.result()
+        # 600,000 one-character tokens: refused after tokenising, for the context
+        assert status == 400 and "65536" in message(reply), reply
+        assert len(probes) >= 3 and all(p == 200 for p in probes), f"/health while tokenising: {probes}"
+    finally:
+        srv.stop()
+
+
 def test_text_prompt_that_fits_still_works(server) -> None:
     status, reply = call(server.url, "/generate", {"text": "1 + 2 = " * 100, "sampling_params": {"max_new_tokens": 3}})
     assert status == 200 and reply["meta_info"]["prompt_tokens"] == 800, reply
