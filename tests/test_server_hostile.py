@@ -31,9 +31,11 @@ KEY = "hostile-key"
 HEADER_TIMEOUT_S = 2.0
 IDLE_TIMEOUT_S = 3.0
 LOAD_TIMEOUT_S = 3.0
+BODY_TIMEOUT_S = 2.0
 # The server's flags for this module; each bound is small so that the probes finish quickly.
 SERVER_ARGS = ["--api-key", KEY, "--health-timeout", "1", "--weight-load-timeout", str(LOAD_TIMEOUT_S),
                "--header-timeout", str(HEADER_TIMEOUT_S), "--idle-timeout", str(IDLE_TIMEOUT_S),
+               "--body-timeout", str(BODY_TIMEOUT_S),
                "--weight-group-timeout", "30"]
 
 
@@ -182,6 +184,16 @@ def test_idle_keep_alive_connection_is_closed(server) -> None:
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the next request, never finished
         assert _closed_by_server(s, IDLE_TIMEOUT_S + 5)
+
+
+def test_body_sent_too_slowly_gets_408(server) -> None:
+    with _raw(server.url) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{\"input_ids\"")
+        s.settimeout(BODY_TIMEOUT_S + 10)
+        head = s.recv(65536)
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert generate_ok(server.url)
 
 
 def test_unauthenticated_request_is_refused_without_reading_its_body(server) -> None:
