@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_areal.config import Config
+from megatron_areal.launch.context_check import check_context
 from megatron_areal.model.arch import ModelArch, UnsupportedModelError, load_arch
 from megatron_areal.model.catalogue import resolve_arch
 from megatron_areal.model.counts import (
@@ -70,6 +71,7 @@ def check_plan(plan: Plan, cfg: Config, eta_explicit: bool, *, model_here: bool 
     known = None if arch is not None else catalogue_arch(cfg)
     if not _check_model_path(plan, cfg, arch, known, model_here):
         return  # the sizing checks below would only repeat that the model is unknown
+    check_context(plan, cfg)
     if arch is not None or known is not None:
         _check_shapes(plan, arch or known)
     _check_experts(plan, cfg, arch or known)
