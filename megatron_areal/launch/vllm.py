@@ -71,7 +71,11 @@ class VLLMLaunch:
 
     def env(self) -> dict[str, str]:
         """Variables the server needs besides the caller's environment."""
-        out = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+        # VLLM_PORT: vLLM's internal TCP ports (its workers' rendezvous) count up from here instead of being
+        # any free port, which the trainer's rendezvous port, planned before but bound only once every
+        # server has registered, was seen to lose to; the plan leaves a gap of ports after each server's.
+        out = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+               "VLLM_PORT": str(self.port + 1)}
         if not self.gpu:
             out.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
                        OMP_NUM_THREADS=str(self.threads))
