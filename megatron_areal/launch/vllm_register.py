@@ -11,6 +11,7 @@ Exits once the server's process is gone (with 1 when it never became healthy).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 import urllib.error
@@ -58,6 +59,10 @@ def reap(orphans: list[psutil.Process]) -> None:
 def main(argv: list[str]) -> int:
     directory, server_id, url, pid_text, model = argv
     pid = int(pid_text)
+    # Leave the server's process tree: a launcher stopping the server stops its whole tree, and the
+    # engine processes that outlive the server are exactly what this watcher is there to reap.
+    if os.fork() > 0:
+        os._exit(0)
     registered, known = False, []
     while running(pid):
         known = children(pid) or known
