@@ -18,7 +18,8 @@ from megatron_areal.reward import RewardConfig, RewardService, SandboxUnavailabl
 from megatron_areal.reward.arithmetic import extract_number, verify_number
 from megatron_areal.reward.math_answer import check_math, verify_math
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 6.0
+WALL_S = 4.0  # the sandbox's wall clock: room for two interpreters to start on a loaded machine
 
 
 # Test-only verifiers; module-level so the workers can import them by reference.
@@ -37,7 +38,7 @@ def crashing_verifier(response_text: str, answer: object) -> float:
 
 @pytest.fixture(scope="module")
 def service():
-    config = RewardConfig(workers=2, timeout_s=TIMEOUT_S, code_wall_s=2.0, code_cpu_s=2, code_memory_mb=256,
+    config = RewardConfig(workers=2, timeout_s=TIMEOUT_S, code_wall_s=WALL_S, code_cpu_s=2, code_memory_mb=256,
                           code_max_processes=16)
     registry = default_registry(config)
     registry.register("test-raise", raising_verifier)

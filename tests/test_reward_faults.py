@@ -1,6 +1,6 @@
 """Hostile code answers against the real bubblewrap sandbox: forged passes, leaks, a missing sandbox.
 
-Every probe is bounded: the sandbox's own wall-clock limit (2 s here), bounded loops, sockets with
+Every probe is bounded: the sandbox's own wall-clock limit (5 s here), bounded loops, sockets with
 time-outs, and nothing but loopback and Unix sockets on this machine.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ LISTEN_S = 3.0
 
 @pytest.fixture(scope="module")
 def service():
-    config = RewardConfig(workers=2, timeout_s=4.0, code_wall_s=2.0, code_cpu_s=2, code_memory_mb=256,
+    config = RewardConfig(workers=2, timeout_s=8.0, code_wall_s=5.0, code_cpu_s=2, code_memory_mb=256,
                           code_max_processes=16, code_file_mb=16)
     with RewardService(config, tasks=["code", "arithmetic"]) as svc:
         yield svc
