@@ -78,6 +78,10 @@ class Config:
                 "false (synchronous mode) requires staleness.eta = 0")
         require(not self.ppo.routing_replay or self.rollout.return_routed_experts, "ppo.routing_replay",
                 "true requires rollout.return_routed_experts: true (the rollout's routes are what the trainer replays)")
+        longest = min(self.server.context_length or self.model.max_seq_len, self.model.max_seq_len)
+        require(self.rollout.max_new_tokens < longest, "rollout.max_new_tokens",
+                f"({self.rollout.max_new_tokens}) leaves no room for a prompt in sequences of {longest} tokens "
+                "(model.max_seq_len, server.context_length): every request would be refused")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -66,6 +66,14 @@ def test_sane_edge_values_still_load(override):
     assert loaded is None if value == "null" else loaded == float(value)
 
 
+@pytest.mark.parametrize("overrides", [["model.max_seq_len=256", "rollout.max_new_tokens=256"],
+                                       ["server.context_length=128", "rollout.max_new_tokens=200"]])
+def test_max_new_tokens_that_leave_no_room_for_a_prompt_are_refused(overrides):
+    with pytest.raises(ConfigError, match=r"^rollout\.max_new_tokens: "):
+        load_config(None, overrides)
+    assert load_config(None, [*overrides, "rollout.max_new_tokens=100"]).rollout.max_new_tokens == 100
+
+
 def test_yaml_file_error_names_the_file_and_the_key(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("optimizer:\n  adam_beta2: -1\n")
