@@ -289,25 +289,41 @@ def _truncate_half(path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("damaged", ["a tensor file", "the tensor index", "the common state"])
-def test_resume_skips_a_truncated_newest_checkpoint(pool, tiny_llama, reference, tmp_path, damaged):
-    """A node died while the newest checkpoint was copied: resume names it, says why, and takes the
-    intact previous one (whose weights are the saved ones)."""
+def _damaged_copy(intact, root, damaged: str):
+    """``root`` with ``intact`` as step 1 and, as step 2, a copy of it with one file cut in half; returns that file."""
     import shutil
 
-    root, ref = reference
-    intact = latest_checkpoint(root)
-    shutil.copytree(intact, tmp_path / "step_00000001")
-    newest = tmp_path / "step_00000002"
+    shutil.copytree(intact, root / "step_00000001")
+    newest = root / "step_00000002"
     shutil.copytree(intact, newest)
     victim = {"a tensor file": max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size),
               "the tensor index": newest / ".metadata", "the common state": newest / "common.pt"}[damaged]
     _truncate_half(victim)
+    return victim
+
+
+def test_resume_skips_a_truncated_newest_checkpoint(pool, tiny_llama, reference, tmp_path):
+    """A node died while the newest checkpoint was copied: resume names it, says why, and takes the
+    intact previous one (whose weights are the saved ones)."""
+    root, ref = reference
+    victim = _damaged_copy(latest_checkpoint(root), tmp_path, "a tensor file")
     got = pool.run(run_resumed_logged, str(tiny_llama), str(tmp_path))[0]
     assert got["step"] == 1
     assert _max_diff(got["loaded"], ref["saved"]) == 0.0
     skipped = [m for m in got["log"] if "step_00000002" in m and "skipp" in m]
-    assert skipped and victim.name in skipped[0], got["log"]
+    assert skipped and victim.name in skipped[0] and "truncated" in skipped[0], got["log"]
+
+
+@pytest.mark.parametrize("damaged", ["the tensor index", "the common state"])
+def test_checkpoint_with_another_file_cut_short_is_skipped(reference, tmp_path, caplog, damaged):
+    from megatron_areal.checkpoint.training import newest_intact_checkpoint
+
+    victim = _damaged_copy(latest_checkpoint(reference[0]), tmp_path, damaged)
+    assert newest_intact_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert any("step_00000002" in r.getMessage() and victim.name in r.getMessage() for r in caplog.records)
+    _truncate_half(tmp_path / "step_00000001" / victim.name)  # nothing whole is left: refuse, naming both
+    with pytest.raises(ValueError, match=r"no checkpoint is whole \(step_00000002: .*; step_00000001: "):
+        newest_intact_checkpoint(tmp_path)
 
 
 def run_save_on_full_disk(hf_dir: str, root: str, filler_mb_after_first: float) -> dict:
