@@ -187,8 +187,21 @@ def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
     return sc.replace(sim=sim, discard_fraction=discard)
 
 
+def steady(scalars: dict[str, list[float]], warmup: int) -> dict[str, list[float]]:
+    """The per-step series after the first ``warmup`` steps (the window the prediction is judged on): the
+    first steps share the servers with the starting policy's evaluation and fill the pipeline. All of
+    them when the run is not longer than its warm-up; cumulative counters keep their whole series."""
+    n = len(scalars["perf/step_time_s"])
+    if n <= warmup:
+        return scalars
+    keep = {"rollout/filtered_groups", "rollout/dropped_stale"}
+    return {tag: v if tag in keep or len(v) != n else v[warmup:] for tag, v in scalars.items()}
+
+
 def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
     sc = run_workload(sc, scalars)
+    measured = scalars["perf/step_time_s"]
+    scalars = steady(scalars, sc.sim.warmup_steps)
     gen_target = _busy_rate(scalars, "perf/gen_tokens_per_s", "perf/generator_idle_fraction")
     train_target = _busy_rate(scalars, "perf/train_tokens_per_s", "perf/trainer_idle_fraction") * \
         all_per_trained_token(scalars)  # in the simulator's unit: every token of the batch
@@ -209,7 +222,6 @@ def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
     overhead = _bisect(gen_rate, 1e-6, 10.0, gen_target, 24, log_scale=True)
     sim = dataclasses.replace(sim, decode_step_overhead_s=overhead)
     result = simulate(sc.replace(sim=sim))
-    measured = scalars["perf/step_time_s"]
     w = sim.warmup_steps
     pred_steps, meas_steps = result.step_times[w:], measured[w:] or measured
     n = min(len(pred_steps), len(meas_steps))
@@ -219,6 +231,6 @@ def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
                                "update_overhead_s": sim.update_overhead_s},
                        measured_step_time=statistics.fmean(meas_steps),
                        predicted_step_time=result.step_time, per_step_error=per_step, result=result,
-                       measured_busy={side: 1 - statistics.fmean(scalars[tag][w:] or scalars[tag])
+                       measured_busy={side: 1 - statistics.fmean(scalars[tag])
                                       for side, tag in (("servers", "perf/generator_idle_fraction"),
                                                         ("trainer", "perf/trainer_idle_fraction")) if tag in scalars})
