@@ -29,7 +29,8 @@ from megatron_areal.sim.result import TRAINER
 from megatron_areal.sim.scenario import ScenarioError, from_config
 
 SMALL = [
-    "model.path=qwen2.5-1.5b", "cluster.nodes=1", "cluster.gpus_per_node=8", "cluster.gen_fraction=0.75",
+    "model.path=qwen2.5-1.5b", "model.max_seq_len=8192", "cluster.nodes=1", "cluster.gpus_per_node=8",
+    "cluster.gen_fraction=0.75",
     "rollout.batch_size=8", "rollout.group_size=4", "rollout.max_new_tokens=4096",
     "rollout.max_concurrent=1000",
     "server.tp=1", "server.mem_fraction=0.7", "sim.response_mean_tokens=600", "sim.response_sigma=1.2",
@@ -305,7 +306,8 @@ def test_moe_decode_computes_with_active_and_reads_the_experts_hit():
     assert dec.span_time(200, 16, 16 * 300) == pytest.approx(sum(steps))
 
 
-MOE = ["model.path=qwen3-30b-a3b", "cluster.nodes=4", "cluster.gpus_per_node=8", "cluster.gen_fraction=0.5",
+MOE = ["model.path=qwen3-30b-a3b", "model.max_seq_len=4096", "cluster.nodes=4", "cluster.gpus_per_node=8",
+       "cluster.gen_fraction=0.5",
        "parallel.tp=2", "parallel.ep=8", "rollout.batch_size=8", "rollout.group_size=4",
        "rollout.max_new_tokens=2048", "server.engine=sglang", "server.tp=2", "server.mem_fraction=0.85",
        "sim.response_mean_tokens=400", "sim.steps=6", "sim.warmup_steps=2"]
