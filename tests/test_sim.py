@@ -234,6 +234,22 @@ def test_calibration_of_a_prompt_heavy_run_that_discards_groups(tmp_path):
     assert cal.step_time_error < 0.15
 
 
+def test_calibration_reproduces_a_real_main_job_on_cpu():
+    """The README's main job (configs/smollm2_arith.yaml: two one-thread servers and a one-thread trainer on
+    a 2-core machine, 20 steps) as it ran, its per-step metrics kept in tests/data/smollm2_arith_run (a
+    loaded machine: steps of 30-140 s). The CPU run is simulated as it ran, and the calibrated model
+    predicts its mean step time after warm-up within 15%."""
+    from pathlib import Path
+
+    cfg = load_config(str(Path(__file__).parents[1] / "configs/smollm2_arith.yaml"), [])
+    scalars = read_scalars(Path(__file__).parent / "data/smollm2_arith_run")
+    assert len(scalars["perf/step_time_s"]) == cfg.train.steps
+    cal = calibrate(from_config(cfg), scalars)
+    assert cal.result.scenario.n_servers == 2 and cal.result.scenario.train_gpus == 1
+    assert 0.5 < cal.result.scenario.discard_fraction < 0.8  # two groups in three filtered as all-equal
+    assert cal.step_time_error < 0.15, cal.describe()
+
+
 def test_cli_calibrate(tmp_path, capsys):
     truth = from_config(small("staleness.eta=2", "sim.decode_step_overhead_s=0.003"))
     _write_events(tmp_path / "run", simulate(truth))
