@@ -16,7 +16,7 @@ Held-out accuracy is measured before the first step and after the last (and ever
 steps). ``--out FILE`` writes the evaluation points, the settings and the whole command's wall time
 as JSON. Used by ``bench/time_to_accuracy.py``; runs alone too:
 
-    python bench/plain_grpo.py [--config configs/smollm2_arith.yaml] [--steps 20] --out plain.json
+    python bench/plain_grpo.py [--config configs/smollm2_arith.yaml] [--steps 20] --out plain.json [key=value ...]
 """
 from __future__ import annotations
 
@@ -172,13 +172,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (rollout.temperature)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="response length (rollout.max_new_tokens)")
     parser.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: end only)")
+    parser.add_argument("override", nargs="*", help="key=value overrides of the main job's config, as for train")
 
 
 def fill_from_config(args: argparse.Namespace) -> argparse.Namespace:
     """Every setting not given on the command line takes the main job's value from ``args.config``."""
     from megatron_areal.config import load_config
 
-    cfg = load_config(str(args.config), [])
+    cfg = load_config(str(args.config), args.override)
     main_job = {"seed": cfg.train.seed, "data_seed": cfg.data.seed, "batch": cfg.rollout.batch_size,
                 "group": cfg.rollout.group_size, "lr": cfg.optimizer.lr, "steps": cfg.train.steps,
                 "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens}

@@ -97,6 +97,7 @@ def run_plain(args: argparse.Namespace, seed: int, root: Path, lr: float | None 
     for flag, value in (("--steps", args.steps or None), ("--lr", lr), ("--batch", batch)):
         if value is not None:
             cmd += [flag, str(value)]
+    cmd += args.override  # the same config changes as the main job's (a smaller held-out set, say)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.monotonic() - t0  # the whole command, as for the main job
@@ -151,7 +152,7 @@ def main() -> None:
     parser.add_argument("--sweep-batch", type=int, nargs="+", default=[3, 8], help="prompts per step to sweep")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, default=None, help="keep run directories and outputs here")
-    parser.add_argument("override", nargs="*", help="key=value overrides for the main job")
+    parser.add_argument("override", nargs="*", help="key=value overrides of the config, for both arms")
     args = parser.parse_args()
     if args.runs < 2:
         parser.error("--runs must be at least 2: a ratio needs its spread")
