@@ -33,8 +33,6 @@ from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
-TRACE_FILE = "timeline.json"
-SUMMARY_FILE = "timeline_summary.json"
 SERVER_PRIORITY = ("weight update", "evaluating", "generating")
 ROLLOUT_LOOP = "rollout loop"  # rank 0's submission of groups (rollout/loop.py)
 TOLERANCE_S = 1e-6
@@ -228,17 +226,16 @@ def chrome_trace(spans: dict[str, list[Span]], origin_epoch: float) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_epoch_s": origin_epoch}}
 
 
-def write(timeline: Timeline, run_dir: str | Path) -> Summary:
-    """Close every role now, write ``timeline.json`` (open it in ui.perfetto.dev or chrome://tracing)
-    and ``timeline_summary.json`` into ``run_dir``, log the table; warns when the accounting fails."""
+def write(timeline: Timeline, trace: Path, summary_file: Path) -> Summary:
+    """Close every role now, write the Chrome trace (open it in ui.perfetto.dev or chrome://tracing) to
+    ``trace`` and the summary to ``summary_file``, log the table; warns when the accounting fails."""
     end = timeline.now()
     spans, starts = timeline.spans(end), timeline.starts()
     summary = summarize(spans, starts, end)
-    root = Path(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / TRACE_FILE).write_text(json.dumps(chrome_trace(spans, timeline.origin_epoch)))
-    (root / SUMMARY_FILE).write_text(json.dumps(summary.to_dict(), indent=1))
-    logger.info("%s\nwrote %s", summary.table(), root / TRACE_FILE)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    trace.write_text(json.dumps(chrome_trace(spans, timeline.origin_epoch)))
+    summary_file.write_text(json.dumps(summary.to_dict(), indent=1))
+    logger.info("%s\nwrote %s", summary.table(), trace)
     for problem in summary.check():
         logger.warning("timeline accounting: %s", problem)
     return summary

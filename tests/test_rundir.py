@@ -14,7 +14,7 @@ from megatron_areal.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "megatron_areal"
-FILES = ("plan.json", "metrics.jsonl", "eval.jsonl", "trained.jsonl")
+FILES = ("plan.json", "metrics.jsonl", "eval.jsonl", "trained.jsonl", "timeline.json", "timeline_summary.json")
 FOLDERS = ("servers", "logs", "control", "checkpoints", "tensorboard")
 ENTRIES = [name for name, v in vars(RunDir).items() if isinstance(v, property)]
 
@@ -26,7 +26,8 @@ def test_layout() -> None:
         "plan": Path("runs/x/plan.json"), "servers": Path("runs/x/servers"), "logs": Path("runs/x/logs"),
         "control": Path("runs/x/control"), "checkpoints": Path("runs/x/checkpoints"),
         "metrics": Path("runs/x/metrics.jsonl"), "evals": Path("runs/x/eval.jsonl"),
-        "trained": Path("runs/x/trained.jsonl"), "tensorboard": Path("runs/x/tensorboard")}
+        "trained": Path("runs/x/trained.jsonl"), "tensorboard": Path("runs/x/tensorboard"),
+        "timeline": Path("runs/x/timeline.json"), "timeline_summary": Path("runs/x/timeline_summary.json")}
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.root = Path("elsewhere")  # type: ignore[misc]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_areal import timeline
+from megatron_areal.run.rundir import RunDir
 from megatron_areal.timeline import SERVER_PRIORITY, Span, Timeline
 
 
@@ -57,9 +58,9 @@ def assert_chrome_trace(trace: dict) -> dict[str, list[dict]]:
 def assert_run_timeline(run_dir: Path, steps: int) -> None:
     """A finished run's timeline: valid trace, each role's activities add up to its wall time, and the
     trainer's phases and the servers' work are on it."""
-    trace = json.loads((run_dir / timeline.TRACE_FILE).read_text())
+    trace = json.loads(RunDir(run_dir).timeline.read_text())
     roles = assert_chrome_trace(trace)
-    summary = json.loads((run_dir / timeline.SUMMARY_FILE).read_text())
+    summary = json.loads(RunDir(run_dir).timeline_summary.read_text())
     for name, role in summary["roles"].items():
         assert sum(role["activities"].values()) == pytest.approx(role["wall_s"], abs=1e-3), name
         assert role["wall_s"] <= summary["wall_s"] + 1e-6, name
@@ -134,14 +135,14 @@ def test_record_inside_a_role_that_began_earlier() -> None:
 
 def test_summary_adds_up_to_wall_time_and_trace_is_valid(tmp_path: Path) -> None:
     tl, _ = scripted_timeline()
-    summary = timeline.write(tl, tmp_path)
+    summary = timeline.write(tl, RunDir(tmp_path).timeline, RunDir(tmp_path).timeline_summary)
     assert summary.check() == []
     assert summary.wall_s == pytest.approx(20.0)
     assert summary.roles["trainer"] == pytest.approx({"launching servers": 4, "waiting for servers": 10,
                                                       "loading model": 2, "training": 1, "between steps": 3})
     assert summary.roles["server a"] == pytest.approx({"starting up": 6, "idle": 9, "generating": 4,
                                                        "weight update": 1})
-    roles = assert_chrome_trace(json.loads((tmp_path / timeline.TRACE_FILE).read_text()))
+    roles = assert_chrome_trace(json.loads(RunDir(tmp_path).timeline.read_text()))
     assert [e["name"] for e in roles["server a"]] == ["starting up", "idle", "generating", "weight update",
                                                       "generating", "idle"]
     assert roles["trainer"][2]["ts"] == pytest.approx(12e6) and roles["trainer"][2]["dur"] == pytest.approx(1e6)

@@ -14,6 +14,8 @@ Layout, with the module that writes each entry::
       eval.jsonl         RunDir.evals        held-out accuracy per evaluation (metrics.py)
       trained.jsonl      RunDir.trained      which prompts each step trained, with staleness (ledger.py)
       tensorboard/       RunDir.tensorboard  TensorBoard events of the same scalars (metrics.py)
+      timeline.json      RunDir.timeline     every role's activity as a Chrome trace (timeline.py)
+      timeline_summary.json  RunDir.timeline_summary  seconds per activity per role (timeline.py)
 
 The Slurm scripts (``slurm/*.sh``) name the same paths in their comments only.
 tests/test_rundir.py checks that no other module of the package spells these names.
@@ -89,3 +91,13 @@ class RunDir:
     def tensorboard(self) -> Path:
         """TensorBoard events of the same scalars."""
         return self.root / "tensorboard"
+
+    @property
+    def timeline(self) -> Path:
+        """Every role's activity over the run, as a Chrome trace."""
+        return self.root / "timeline.json"
+
+    @property
+    def timeline_summary(self) -> Path:
+        """Seconds per activity per role, and the run's wall time."""
+        return self.root / "timeline_summary.json"

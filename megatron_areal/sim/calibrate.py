@@ -28,6 +28,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_areal.run.rundir import RunDir
 from megatron_areal.sim.costs import CostModel
 from megatron_areal.sim.engine import simulate
 from megatron_areal.sim.result import RunResult
@@ -51,10 +52,10 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     series: dict[str, dict[int, float]] = {}
-    lines = Path(run_dir) / "metrics.jsonl"
+    lines = RunDir(run_dir).metrics
     files = [] if lines.is_file() else sorted(Path(run_dir).rglob("events.out.tfevents.*"))
     if not files and not lines.is_file():
-        raise CalibrationError(f"{run_dir}: no metrics.jsonl and no TensorBoard event files (events.out.tfevents.*)")
+        raise CalibrationError(f"{lines}: not found, and no TensorBoard event files (events.out.tfevents.*)")
     if lines.is_file():
         for row in map(json.loads, filter(str.strip, lines.read_text().splitlines())):
             for tag in set(row) & set(TAGS):

@@ -70,7 +70,7 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
         timeline.set_state(TRAINER, "closing")
         duties.close()
         policy.close()
-        run_timeline.finish(policy.run_dir.root)
+        run_timeline.finish(policy.run_dir)
 
 
 def evaluate_while_loading(cfg: Config, server_urls: list[str]) -> Rank0Duties | None:

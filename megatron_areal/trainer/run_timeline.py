@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megatron_areal import timeline
 from megatron_areal.run.registry import read_registrations
+from megatron_areal.run.rundir import RunDir
 from megatron_areal.timeline import SERVER_PRIORITY, Timeline
 
 logger = logging.getLogger(__name__)
@@ -50,14 +51,14 @@ def servers_ready(registrations: Path, urls: list[str]) -> None:
         tl.add_role(timeline.server_role(url), "idle", at=0.0, priority=SERVER_PRIORITY, first=("starting up", ready))
 
 
-def finish(run_dir: Path) -> None:
+def finish(run_dir: RunDir) -> None:
     """Write the timeline and its summary into the run directory (rank 0; nothing elsewhere)."""
     tl = timeline.current()
     if tl is None:
         return
     try:
-        timeline.write(tl, run_dir)
+        timeline.write(tl, run_dir.timeline, run_dir.timeline_summary)
     except OSError as e:  # the run's result matters more than its timeline
-        logger.warning("could not write the timeline into %s: %s", run_dir, e)
+        logger.warning("could not write the timeline into %s: %s", run_dir.root, e)
     finally:
         timeline.install(None)
