@@ -13,7 +13,8 @@ from __future__ import annotations
 import random
 from functools import lru_cache
 
-from megatron_areal.data.prompt import DataError, Prompt
+from megatron_areal.data import generated
+from megatron_areal.data.prompt import Prompt
 
 Problem = tuple[int, str, int]
 
@@ -40,11 +41,7 @@ def render(problem: Problem) -> str:
 
 @lru_cache(maxsize=1)
 def _held_out_pool() -> tuple[Problem, ...]:
-    rng = random.Random(HELD_OUT_SEED)
-    seen: dict[Problem, None] = {}
-    while len(seen) < HELD_OUT_POOL:
-        seen.setdefault(_draw(rng))
-    return tuple(seen)
+    return generated.held_out_pool(_draw, HELD_OUT_SEED, HELD_OUT_POOL)
 
 
 def _prompts(problems: list[Problem]) -> list[Prompt]:
@@ -53,22 +50,10 @@ def _prompts(problems: list[Problem]) -> list[Prompt]:
 
 def arithmetic_eval(seed: int = 0, size: int | None = None) -> list[Prompt]:
     """The fixed held-out problems (``seed`` is ignored: the set must not move between runs)."""
-    size = 200 if size is None else size
-    if not 0 < size <= HELD_OUT_POOL:
-        raise DataError(f"arithmetic-eval: size must be in 1..{HELD_OUT_POOL}, got {size}")
-    return _prompts(list(_held_out_pool()[:size]))
+    return _prompts(generated.held_out(_held_out_pool(), 200 if size is None else size, "arithmetic-eval"))
 
 
 def arithmetic_train(seed: int = 0, size: int | None = None) -> list[Prompt]:
     """``size`` problems drawn with replacement from ``seed``, none of them in the held-out pool."""
     size = TRAIN_DEFAULT_SIZE if size is None else size
-    if size <= 0:
-        raise DataError(f"arithmetic: size must be positive, got {size}")
-    reserved = set(_held_out_pool())
-    rng = random.Random(seed)
-    problems: list[Problem] = []
-    while len(problems) < size:
-        problem = _draw(rng)
-        if problem not in reserved:
-            problems.append(problem)
-    return _prompts(problems)
+    return _prompts(generated.training(_draw, _held_out_pool(), seed, size, "arithmetic"))

@@ -16,7 +16,8 @@ import json
 import random
 from functools import lru_cache
 
-from megatron_areal.data.prompt import DataError, Prompt
+from megatron_areal.data import generated
+from megatron_areal.data.prompt import Prompt
 
 Problem = tuple[int, int]
 HELD_OUT_SEED = 0xCA1C
@@ -50,11 +51,7 @@ def _draw(rng: random.Random) -> Problem:
 
 @lru_cache(maxsize=1)
 def _held_out_pool() -> tuple[Problem, ...]:
-    rng = random.Random(HELD_OUT_SEED)
-    seen: dict[Problem, None] = {}
-    while len(seen) < HELD_OUT_POOL:
-        seen.setdefault(_draw(rng))
-    return tuple(seen)
+    return generated.held_out_pool(_draw, HELD_OUT_SEED, HELD_OUT_POOL)
 
 
 def _prompts(problems: list[Problem]) -> list[Prompt]:
@@ -64,22 +61,10 @@ def _prompts(problems: list[Problem]) -> list[Prompt]:
 
 def calculator_eval(seed: int = 0, size: int | None = None) -> list[Prompt]:
     """The fixed held-out problems (``seed`` is ignored: the set must not move between runs)."""
-    size = 100 if size is None else size
-    if not 0 < size <= HELD_OUT_POOL:
-        raise DataError(f"calculator-eval: size must be in 1..{HELD_OUT_POOL}, got {size}")
-    return _prompts(list(_held_out_pool()[:size]))
+    return _prompts(generated.held_out(_held_out_pool(), 100 if size is None else size, "calculator-eval"))
 
 
 def calculator_train(seed: int = 0, size: int | None = None) -> list[Prompt]:
     """``size`` problems drawn from ``seed``, none of them in the held-out pool."""
     size = TRAIN_DEFAULT_SIZE if size is None else size
-    if size <= 0:
-        raise DataError(f"calculator: size must be positive, got {size}")
-    reserved = set(_held_out_pool())
-    rng = random.Random(seed)
-    problems: list[Problem] = []
-    while len(problems) < size:
-        problem = _draw(rng)
-        if problem not in reserved:
-            problems.append(problem)
-    return _prompts(problems)
+    return _prompts(generated.training(_draw, _held_out_pool(), seed, size, "calculator"))
