@@ -7,7 +7,8 @@ given the main job's own settings from the same config (learning rate, prompts x
 temperature, response length, steps, clip, the training prompts in the same order, the same
 held-out problems, template and answer check). With ``--sweep`` the plain loop first runs each
 learning rate x prompts per step of a small grid once and keeps the setting that gained the most
-per minute (the table is printed); the plain arm's runs then use it.
+per minute (the table is printed); the plain arm's runs then use it, its first run being the
+sweep's run of that setting (same seed, same command).
 
 Each run's gain per minute is its held-out accuracy after the last step minus before the first, in
 points, over the whole command's wall time in minutes: start-up, model loading and both
@@ -31,6 +32,7 @@ machine (each run prints the load average at its end).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -109,8 +111,10 @@ def run_plain(args: argparse.Namespace, seed: int, root: Path, lr: float | None 
                os.getloadavg()[1])
 
 
-def sweep(args: argparse.Namespace, root: Path) -> tuple[float, int]:
-    """Each learning rate x prompts per step of the grid once (seed ``--seed``); the best gain per minute wins."""
+def sweep(args: argparse.Namespace, root: Path) -> tuple[float, int, Run]:
+    """Each learning rate x prompts per step of the grid once (seed ``--seed``); the best gain per minute wins.
+
+    The winner's run is the plain arm's first run: the same command with the same seed."""
     runs = {}
     for lr in args.sweep_lr:
         for batch in args.sweep_batch:
@@ -118,7 +122,7 @@ def sweep(args: argparse.Namespace, root: Path) -> tuple[float, int]:
             print(f"sweep lr {lr:g}, {batch} prompts per step:\n{r.line()}", flush=True)
     best = max(runs, key=lambda k: runs[k].gain_per_min)
     print(f"sweep: the plain loop gains most per minute with lr {best[0]:g}, {best[1]} prompts per step", flush=True)
-    return best
+    return best[0], best[1], dataclasses.replace(runs[best], arm="plain")
 
 
 def spread(ours: list[Run], plain: list[Run]) -> tuple[float, float, float]:
@@ -161,13 +165,13 @@ def main() -> None:
     from megatron_areal.config import load_config
 
     steps = args.steps or load_config(str(args.config), args.override).train.steps
-    lr, batch = sweep(args, root) if args.sweep else (None, None)
+    lr, batch, swept = sweep(args, root) if args.sweep else (None, None, None)
     ours, plain = [], []
     for i in range(args.runs):
         seed = args.seed + i
         ours.append(run_ours(args, seed, root))
         print(ours[-1].line(), flush=True)
-        plain.append(run_plain(args, seed, root, lr, batch))
+        plain.append(swept if i == 0 and swept else run_plain(args, seed, root, lr, batch))
         print(plain[-1].line(), flush=True)
     print("\nruns (held-out accuracy before -> after, the whole command's wall time):")
     for r in ours + plain:
