@@ -79,6 +79,9 @@ class Run:
 
 def run_ours(args: argparse.Namespace, seed: int, root: Path) -> Run:
     run_dir = root / f"ours-{seed}"
+    record = root / f"ours-{seed}.run.json"
+    if (earlier := read_back(record)) is not None:
+        return earlier
     overrides = [f"train.seed={seed}", f"data.seed={seed}", "train.eval_every=0", "checkpoint.every=0"]
     if args.steps:
         overrides.append(f"train.steps={args.steps}")
@@ -88,12 +91,26 @@ def run_ours(args: argparse.Namespace, seed: int, root: Path) -> Run:
     steps = max((m["step"] for m in record.metrics), default=0)
     if "before" not in evals or "after" not in evals:
         raise SystemExit(f"{run_dir}: the main job recorded no before/after evaluation ({record.evals})")
-    return Run("ours", seed, evals["before"], evals["after"], wall, steps, os.getloadavg()[1])
+    run = Run("ours", seed, evals["before"], evals["after"], wall, steps, os.getloadavg()[1])
+    record.write_text(json.dumps(dataclasses.asdict(run)))
+    return run
+
+
+def read_back(record: Path) -> Run | None:
+    """A run finished earlier into the same ``--keep`` directory (an interrupted comparison goes on)."""
+    if not record.exists():
+        return None
+    run = Run(**json.loads(record.read_text()))
+    print(f"read back from {record}", flush=True)
+    return run
 
 
 def run_plain(args: argparse.Namespace, seed: int, root: Path, lr: float | None = None,
               batch: int | None = None, label: str = "plain") -> Run:
     out = root / f"{label}-{seed}-{lr}-{batch}.json"
+    record = out.with_suffix(".run.json")
+    if (earlier := read_back(record)) is not None:
+        return earlier
     cmd = [sys.executable, str(PLAIN), "--config", str(args.config), "--seed", str(seed), "--data-seed", str(seed),
            "--out", str(out)]
     for flag, value in (("--steps", args.steps or None), ("--lr", lr), ("--batch", batch)):
@@ -107,8 +124,10 @@ def run_plain(args: argparse.Namespace, seed: int, root: Path, lr: float | None 
         raise SystemExit(f"the plain loop failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
     result = json.loads(out.read_text())
     points = result["points"]
-    return Run(label, seed, points[0]["accuracy"], points[-1]["accuracy"], wall, points[-1]["step"],
-               os.getloadavg()[1])
+    run = Run(label, seed, points[0]["accuracy"], points[-1]["accuracy"], wall, points[-1]["step"],
+              os.getloadavg()[1])
+    record.write_text(json.dumps(dataclasses.asdict(run)))
+    return run
 
 
 def sweep(args: argparse.Namespace, root: Path) -> tuple[float, int, Run]:
@@ -155,7 +174,8 @@ def main() -> None:
     parser.add_argument("--sweep-lr", type=float, nargs="+", default=[1e-5, 2e-5], help="learning rates to sweep")
     parser.add_argument("--sweep-batch", type=int, nargs="+", default=[3, 8], help="prompts per step to sweep")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
-    parser.add_argument("--keep", type=Path, default=None, help="keep run directories and outputs here")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep run directories and outputs here; runs finished there earlier are read back")
     parser.add_argument("override", nargs="*", help="key=value overrides of the config, for both arms")
     args = parser.parse_args()
     if args.runs < 2:
