@@ -79,8 +79,8 @@ class Run:
 
 def run_ours(args: argparse.Namespace, seed: int, root: Path) -> Run:
     run_dir = root / f"ours-{seed}"
-    record = root / f"ours-{seed}.run.json"
-    if (earlier := read_back(record)) is not None:
+    done = root / f"ours-{seed}.run.json"
+    if (earlier := read_back(done)) is not None:
         return earlier
     overrides = [f"train.seed={seed}", f"data.seed={seed}", "train.eval_every=0", "checkpoint.every=0"]
     if args.steps:
@@ -92,7 +92,7 @@ def run_ours(args: argparse.Namespace, seed: int, root: Path) -> Run:
     if "before" not in evals or "after" not in evals:
         raise SystemExit(f"{run_dir}: the main job recorded no before/after evaluation ({record.evals})")
     run = Run("ours", seed, evals["before"], evals["after"], wall, steps, os.getloadavg()[1])
-    record.write_text(json.dumps(dataclasses.asdict(run)))
+    done.write_text(json.dumps(dataclasses.asdict(run)))
     return run
 
 
