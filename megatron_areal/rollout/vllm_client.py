@@ -196,7 +196,7 @@ class VLLMClient(RolloutClient):
         """Nothing over HTTP: vLLM refuses ``/shutdown_weight_transfer_engine`` inside a weight-update
         session (and its engine core dies of the refusal), and the weight push re-forms groups inside
         sessions (a server joining, the membership changing). The trainer closes its end; the server's
-        engine replaces its group at the next ``/init_weight_transfer_engine`` (``vllm_plugin/gloo_engine``)."""
+        engine replaces its group at the next ``/init_weight_transfer_engine`` (``vllm_plugin/group_engine``)."""
         log.debug("%s: weight group %s left to be replaced at the next init", self.url, group_name)
 
     async def begin_weight_update(self) -> None:

@@ -1,9 +1,11 @@
-"""``GlooWeightTransferEngine``: the receiving side of the trainer's weight push inside a vLLM worker.
+"""``GroupWeightTransferEngine``: the receiving side of the trainer's weight push inside a vLLM worker.
 
 It joins the trainer's weight-update group exactly as the embedded server and SGLang do
 (``realloc/group.join_group``: the trainer is rank 0 and hosts the store, this worker is rank
-``rank_offset + its rank in the server``), receives each announced bucket by broadcast from rank 0
-and loads it with the model's own ``load_weights`` inside vLLM's layerwise-reload lifecycle (CPU
+``rank_offset + its rank in the server``) over gloo on CPU (``GlooWeightTransferEngine``) or NCCL on
+GPUs (``NcclWeightTransferEngine``: vLLM's own ``nccl`` engine forms its group with a rendezvous of its
+own and cannot join the trainer's), receives each announced bucket by broadcast from rank 0 into
+tensors on the worker's device, and loads it with the model's own ``load_weights`` inside vLLM's layerwise-reload lifecycle (CPU
 linear layers may repack their weights after loading, so a plain ``load_weights`` would leave the
 repacked copies stale).
 
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class GlooInitInfo(WeightTransferInitInfo):
+class GroupInitInfo(WeightTransferInitInfo):
     """Where the trainer's group meets: the body of ``/init_weight_transfer_engine``'s ``init_info``."""
 
     master_address: str
@@ -45,7 +47,7 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 
 @dataclass
-class GlooUpdateInfo(WeightTransferUpdateInfo):
+class GroupUpdateInfo(WeightTransferUpdateInfo):
     """One bucket: the body of ``/update_weights``'s ``update_info``."""
 
     names: list[str]
@@ -63,18 +65,19 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
                 raise ValueError(f"update_info: dtype {dtype!r} of {name!r} is not a torch dtype name")
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """Weights from the trainer over a gloo group, for vLLM's CPU workers."""
+class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
+    """Weights from the trainer over a ``torch.distributed`` group of backend ``group_backend``."""
 
-    init_info_cls = GlooInitInfo
-    update_info_cls = GlooUpdateInfo
+    group_backend = "gloo"
+    init_info_cls = GroupInitInfo
+    update_info_cls = GroupUpdateInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: dist.ProcessGroup | None = None
         self.group_name: str | None = None
 
-    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+    def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
         """Join the trainer's group as ``rank_offset`` + this worker's rank among the server's workers."""
         if self.group is not None:
             self.shutdown()  # a new group replaces the old one (the trainer re-forms it after a drop)
@@ -85,7 +88,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                  init_info.master_address, init_info.master_port, rank, init_info.world_size)
         self.group = join_group(init_info.master_address, init_info.master_port, rank=rank,
                                 world_size=init_info.world_size, group_name=init_info.group_name,
-                                backend="gloo", timeout=timedelta(seconds=init_info.timeout_s))
+                                backend=self.group_backend, timeout=timedelta(seconds=init_info.timeout_s))
         self.group_name = init_info.group_name
 
     def start_weight_update(self) -> None:
@@ -101,10 +104,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes an accelerator after receiving; gloo on CPU has already blocked.
         self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+    def receive_weights(self, update_info: GroupUpdateInfo) -> None:
         if self.group is None:
-            raise RuntimeError("gloo weight transfer: /update_weights before /init_weight_transfer_engine")
+            raise RuntimeError(f"{self.group_backend} weight transfer: /update_weights before "
+                               "/init_weight_transfer_engine")
         if update_info.group_name is not None and update_info.group_name != self.group_name:
             raise ValueError(f"update_info.group_name {update_info.group_name!r} is not the group this worker "
                              f"joined ({self.group_name!r})")
@@ -114,7 +120,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         else:
             weights = []
             for name, dtype, shape in zip(update_info.names, dtypes, update_info.shapes):
-                tensor = torch.empty(shape, dtype=dtype)
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(tensor, group=self.group, group_src=0)
                 weights.append((name, tensor))
         self.model.load_weights(weights)
@@ -122,7 +128,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def _receive_flat(self, names: list[str], dtypes: list[torch.dtype],
                       shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
         sizes = [math.prod(shape) * torch.empty((), dtype=d).element_size() for d, shape in zip(dtypes, shapes)]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         dist.broadcast(buffer, group=self.group, group_src=0)
         out, offset = [], 0
         for name, dtype, shape, size in zip(names, dtypes, shapes, sizes):
@@ -135,3 +141,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             group, self.group = self.group, None
             group.shutdown()
             dist.destroy_process_group(group)
+
+
+class GlooWeightTransferEngine(GroupWeightTransferEngine):
+    """For vLLM's CPU workers."""
+
+    group_backend = "gloo"
+
+
+class NcclWeightTransferEngine(GroupWeightTransferEngine):
+    """For vLLM's GPU workers: the trainer's NCCL group (not vLLM's own ``nccl`` engine)."""
+
+    group_backend = "nccl"

@@ -1,0 +1,48 @@
+"""The project's vLLM plugin: which weight-transfer engine each kind of server is started with.
+
+The trainer pushes weights over a ``torch.distributed`` group it forms with ``realloc/group.join_group``
+(gloo on CPU, NCCL on GPUs), the group SGLang and the embedded server join. vLLM's own ``nccl`` engine
+forms its group differently (its own rendezvous, its own field names) and cannot join it, so a GPU
+server must be started with the plugin's NCCL engine, not vLLM's. The registrations are read from vLLM's
+own engine factory, in the vLLM environment (a subprocess: the trainer's environment has no vLLM).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_areal import vllm_plugin
+from megatron_areal.launch.vllm import VLLMLaunch
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = os.environ.get("MEGATRON_AREAL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+def weight_transfer_backend(gpu: bool) -> str:
+    cmd = VLLMLaunch(model_path="m", port=1, gpu=gpu).command()
+    return json.loads(cmd[cmd.index("--weight-transfer-config") + 1])["backend"]
+
+
+@pytest.mark.parametrize("gpu, group_backend", [(False, "gloo"), (True, "nccl")])
+def test_servers_are_started_with_the_plugins_engine(gpu: bool, group_backend: str) -> None:
+    name = weight_transfer_backend(gpu)
+    assert vllm_plugin.ENGINES.get(name) == group_backend, (name, vllm_plugin.ENGINES)
+
+
+@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM environment at {VLLM_PYTHON}")
+def test_vllms_factory_builds_the_plugins_engines() -> None:
+    probe = (
+        "import json\n"
+        "from megatron_areal.vllm_plugin import register\n"
+        "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F\n"
+        "register(); register()\n"  # vLLM may load plugins twice in one process
+        "from megatron_areal.vllm_plugin import ENGINES\n"
+        "print(json.dumps({n: F._registry[n]().group_backend for n in ENGINES}))\n")
+    out = subprocess.run([VLLM_PYTHON, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == vllm_plugin.ENGINES
