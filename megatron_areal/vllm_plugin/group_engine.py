@@ -5,9 +5,9 @@ It joins the trainer's weight-update group exactly as the embedded server and SG
 ``rank_offset + its rank in the server``) over gloo on CPU (``GlooWeightTransferEngine``) or NCCL on
 GPUs (``NcclWeightTransferEngine``: vLLM's own ``nccl`` engine forms its group with a rendezvous of its
 own and cannot join the trainer's), receives each announced bucket by broadcast from rank 0 into
-tensors on the worker's device, and loads it with the model's own ``load_weights`` inside vLLM's layerwise-reload lifecycle (CPU
-linear layers may repack their weights after loading, so a plain ``load_weights`` would leave the
-repacked copies stale).
+tensors on the worker's device, and loads it with the model's own ``load_weights`` inside vLLM's
+layerwise-reload lifecycle (CPU linear layers may repack their weights after loading, so a plain
+``load_weights`` would leave the repacked copies stale).
 
 Update info: ``names``, ``dtypes`` (torch attribute names), ``shapes``, and ``flattened``: one uint8
 broadcast holding the tensors back to back without padding (``realloc/buckets.py``) instead of one
