@@ -5,7 +5,9 @@ plugin) on a tiny random Llama, and one trainer process holds the project's ``We
 chunks -> HF buckets -> vLLM's ``/init_weight_transfer_engine`` and ``/update_weights``). References:
 transformers (greedy tokens), the trainer's own logprobs (the train/inference mismatch), vLLM's
 checksums of the weights it loaded from disk itself, and a policy whose every token is recognisable
-(the final norm set to zero: all logits 0, so token 0 with logprob -log(vocab)).
+(the final norm set to zero: all logits 0, so token 0 with logprob -log(vocab)). The server runs with an
+API key, as a launched run's do, so every check also goes through the key on vLLM's routes and the
+project's middleware on the rest (``vllm_plugin/admin_key.py``).
 
 Skipped, with the reason, only where the vLLM environment is absent; CI installs it
 (``scripts/install_vllm.sh``).
@@ -36,6 +38,7 @@ PROMPTS = [[1, 17, 42, 5, 9], [1, 99, 3], [1, 60, 61, 62, 63, 64, 65, 66]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 N_SAMPLES = 2
 START_TIMEOUT_S = 900  # a first start on a loaded 2-core machine
+API_KEY = "vllm-test-key"
 
 
 # ---- the server and the trainer ------------------------------------------------------------------
@@ -43,10 +46,12 @@ START_TIMEOUT_S = 900  # a first start on a loaded 2-core machine
 def _start(model: Path, port: int, log_path: Path):
     from megatron_areal.launch.server_process import start_server
     from megatron_areal.launch.vllm import VLLMLaunch, launcher_command
+    from megatron_areal.server.cli import API_KEY_ENV
 
     spec = VLLMLaunch(model_path=str(model), port=port, python=VLLM_PYTHON, context_length=CONTEXT, seed=0,
                       max_running=16)
-    return start_server(launcher_command(spec), spec.url, log_path, timeout_s=START_TIMEOUT_S)
+    return start_server(launcher_command(spec), spec.url, log_path, timeout_s=START_TIMEOUT_S,
+                        env={API_KEY_ENV: API_KEY})
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +80,7 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory):
 def fleet(server):
     from megatron_areal.rollout.fleet import Fleet
 
-    f = Fleet([server["url"]], engine="vllm", request_timeout_s=600)
+    f = Fleet([server["url"]], engine="vllm", request_timeout_s=600, api_key=API_KEY)
     yield f
     f.close()
 
@@ -111,7 +116,8 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
     load_hf_weights(chunks, model_dir, arch, 0, 1)
     events: list = []
     # pause_mode retract: on vLLM the requests are kept inside the server (/pause?mode=keep)
-    sync = WeightSync(chunks, arch, groups, urls, engine="vllm", on_drop=lambda url, why: events.append(("drop", url)),
+    sync = WeightSync(chunks, arch, groups, urls, engine="vllm", api_key=API_KEY,
+                      on_drop=lambda url, why: events.append(("drop", url)),
                       on_join=lambda url: events.append(("join", url)),
                       config=ReallocConfig(timeout_s=120.0, master_address="127.0.0.1", pause_mode="retract"))
     _STATE.update(sync=sync, chunks=chunks, arch=arch, events=events)
@@ -174,9 +180,23 @@ def checksums(url: str) -> dict[str, str]:
     import urllib.request
 
     req = urllib.request.Request(url + "/weight_checker", data=json.dumps({"action": "checksum"}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+                                 method="POST")
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())["checksums"]
+
+
+def http_status(url: str, method: str = "GET", key: str | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    req = urllib.request.Request(url, data=b"" if method == "POST" else None, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def perturbed_copy(model_dir: Path, out: Path, seed: int) -> Path:
@@ -274,6 +294,18 @@ def test_pause_keep_loses_no_request_and_labels_every_token(model: Path, server,
         crossed += labels[0] is False and labels[-1] is True
     assert crossed >= 1, "no request was in flight across the update (it finished too early to test anything)"
     trainer.run(_w_sync, "4", str(model))
+
+
+@pytest.mark.timeout(START_TIMEOUT_S + 300)
+def test_api_key_guards_every_route_but_health(server) -> None:
+    url = server["url"]
+    assert http_status(url + "/health") == 200  # the registration watcher's probe needs no key
+    for route, method in [("/pause?mode=keep", "POST"), ("/resume", "POST"), ("/is_paused", "GET"),
+                          ("/v1/models", "GET"), ("/get_world_size", "GET")]:
+        assert http_status(url + route, method) == 401, f"{method} {route} without the key"
+        assert http_status(url + route, method, key="wrong") == 401, f"{method} {route} with a wrong key"
+    assert http_status(url + "/is_paused", key=API_KEY) == 200
+    assert http_status(url + "/v1/models", key=API_KEY) == 200
 
 
 @pytest.mark.timeout(START_TIMEOUT_S + 300)

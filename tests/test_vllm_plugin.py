@@ -46,3 +46,50 @@ def test_vllms_factory_builds_the_plugins_engines() -> None:
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == vllm_plugin.ENGINES
+
+
+def _asgi_call(middleware, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, bool]:
+    """(status, whether the app behind it was reached) of one HTTP request through ``middleware``."""
+    import asyncio
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": headers}
+    asyncio.run(middleware(app)(scope, receive, send))
+    return sent[0]["status"], bool(reached)
+
+
+@pytest.mark.parametrize("path", ["/pause", "/resume", "/init_weight_transfer_engine", "/update_weights",
+                                  "/update_weight_version", "/start_weight_update", "/weight_info", "/v1/models"])
+def test_every_route_but_health_needs_the_key(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_areal.vllm_plugin.admin_key import AdminKeyMiddleware
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    assert _asgi_call(AdminKeyMiddleware, path, []) == (401, False)
+    assert _asgi_call(AdminKeyMiddleware, path, [(b"authorization", b"Bearer wrong")]) == (401, False)
+    assert _asgi_call(AdminKeyMiddleware, path, [(b"authorization", b"Bearer \xff\xfe")]) == (401, False)
+    assert _asgi_call(AdminKeyMiddleware, path, [(b"authorization", b"Bearer s3cret")]) == (200, True)
+    assert _asgi_call(AdminKeyMiddleware, "/health", []) == (200, True)
+
+
+def test_without_a_key_the_middleware_passes_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_areal.vllm_plugin.admin_key import AdminKeyMiddleware
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _asgi_call(AdminKeyMiddleware, "/pause", []) == (200, True)
+
+
+def test_servers_are_started_with_the_middleware() -> None:
+    cmd = VLLMLaunch(model_path="m", port=1).command()
+    assert cmd[cmd.index("--middleware") + 1] == "megatron_areal.vllm_plugin.admin_key.AdminKeyMiddleware"

