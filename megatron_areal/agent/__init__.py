@@ -10,6 +10,7 @@ OpenAI-compatible endpoint the rollout controller serves, and the episode become
 - ``runner``: episodes of a group on the rollout loop; ``evaluate``: held-out success of greedy episodes;
   ``from_config``: both built from the run's ``rollout`` section.
 - ``calculator`` / ``calculator_task``: a safe arithmetic tool and the built-in task that needs it.
+- ``code_tool``: the ``python`` tool, which runs a program in the reward's code sandbox.
 
 ``docs/agents.md`` shows how to write an agent.
 """

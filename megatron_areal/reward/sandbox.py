@@ -23,6 +23,10 @@ RLIMIT_NPROC is not enforced for root, so when the service runs as root the sand
 A pass is never read from an exit status: ``harness.py`` (which see) runs the tests and the
 answer in separate processes, and only the test process, after the tests' code returned, prints
 a nonce that it read before the answer's process existed.
+
+``run_program`` is the sandbox itself: any interpreter arguments, bytes on stdin, and back the
+bounded head and tail of stdout and stderr and how the run ended. ``run_task`` is the harness run
+through it; the agents' ``python`` tool (``megatron_areal/agent/code_tool.py``) is another program.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +87,47 @@ class SandboxTask:
     tests: str
     prompt: str = ""
     entry_point: str | None = None
+
+
+@dataclass(frozen=True)
+class OutputBound:
+    """How much of a stream ``run_program`` keeps: its first ``head`` and last ``tail`` bytes.
+    The rest is never read into memory, so a program cannot flood its caller."""
+
+    head: int
+    tail: int
+
+
+@dataclass(frozen=True)
+class CapturedOutput:
+    """The kept part of a stream: ``head``, then ``tail`` (the last bytes not already in ``head``),
+    and the stream's full ``size``; what lies between them was cut."""
+
+    head: bytes
+    tail: bytes
+    size: int
+
+    @property
+    def cut(self) -> int:
+        return self.size - len(self.head) - len(self.tail)
+
+    def text(self) -> str:
+        """The kept bytes decoded, with a marker where the middle was cut."""
+        head, tail = self.head.decode(errors="replace"), self.tail.decode(errors="replace")
+        if not self.cut:
+            return head + tail
+        return f"{head}\n[... {self.cut:,} bytes cut of {self.size:,} ...]\n{tail}"
+
+
+@dataclass(frozen=True)
+class ProgramRun:
+    """How a sandboxed program ended and what it wrote."""
+
+    returncode: int | None  # None when the wall-clock limit killed it
+    stdout: CapturedOutput
+    stderr: CapturedOutput
+    created: bool  # bubblewrap created the sandbox's namespaces; False: it failed before (stderr says why)
+    oom_kills: int = 0  # processes the kernel killed at the sandbox's memory limit (cgroup only)
 
 
 @dataclass(frozen=True)
@@ -185,7 +231,15 @@ def _system_binds(python: str) -> list[str]:
     return args
 
 
-def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int, info_fd: int) -> list[str]:
+def _harness_program() -> tuple[str, ...]:
+    """The interpreter's arguments that start the harness's test process."""
+    return ("-c", _HARNESS.read_text(), "tests")
+
+
+def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int, info_fd: int,
+                  program: Sequence[str] | None = None) -> list[str]:
+    """The bubblewrap command running ``python -I -B`` with ``program``'s arguments (by default the
+    harness's test process) in the sandbox."""
     bwrap = check_sandbox_available()
     return [
         bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
@@ -196,11 +250,15 @@ def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int, info_fd: int)
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--hostname", "sandbox",
         # -I ignores PYTHON* and the user site; the harness reads the answer and tests from stdin
-        python, "-I", "-B", "-c", _HARNESS.read_text(), "tests",
+        python, "-I", "-B", *(_harness_program() if program is None else program),
     ]
 
 
 def _limiter(limits: SandboxLimits, max_procs: int, cgroup: SandboxCgroup | None, uid: int):
+    # Loaded here, in the parent: the child of a process with threads (the trainer, where the agents'
+    # python tool runs) must not take the dynamic loader's lock between fork and exec.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
     def apply() -> None:  # runs in the child between fork and exec
         if cgroup is not None:
             cgroup.join()  # first, while privileged: every descendant is born inside
@@ -215,7 +273,7 @@ def _limiter(limits: SandboxLimits, max_procs: int, cgroup: SandboxCgroup | None
             os.setresuid(uid, uid, uid)
         # Last: a change of credentials clears it. If the worker holding this sandbox is killed,
         # bubblewrap (and so the sandbox) dies too.
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     return apply
 
 
@@ -230,39 +288,51 @@ def run_task(task: SandboxTask, limits: SandboxLimits) -> SandboxResult:
     The nonce goes in the frame on stdin, which the test process reads to its end before it
     starts the answer's process; the proof comes back on stdout. Returns only once every process
     of the sandbox is gone."""
-    uid = _sandbox_uid()
-    # The limit counts every process of the user; allow this run ``max_processes`` more.
-    max_procs = _count_processes(uid) + limits.max_processes + 3  # + bwrap, its init, the test process
-    mb = 1024 * 1024
-    python = choose_python(limits.python)
     nonce = secrets.token_hex(32)
     frame = json.dumps({"nonce": nonce, "answer": task.answer, "tests": task.tests, "prompt": task.prompt,
                         "entry_point": task.entry_point, "runner": _HARNESS.read_text()})
+    run = run_program(_harness_program(), frame.encode(), limits, stdout=OutputBound(head=_STDOUT_LIMIT, tail=0),
+                      stderr=OutputBound(head=0, tail=4 * _STDERR_TAIL))
+    proven = f"pass {nonce}\n".encode() in run.stdout.head
+    tail = run.stderr.tail.decode(errors="replace")[-_STDERR_TAIL:]
+    return SandboxResult(run.returncode, tail, proven, run.oom_kills)
+
+
+def run_program(program: Sequence[str], stdin: bytes, limits: SandboxLimits, stdout: OutputBound,
+                stderr: OutputBound) -> ProgramRun:
+    """Run ``python -I -B *program`` in the sandbox with ``stdin`` as its input, under ``limits``;
+    never raises for anything the program does.
+
+    Returns only once every process of the sandbox is gone (``_kill_tree``), with the parts of
+    stdout and stderr the bounds keep. Raises SandboxUnavailable when there is no bubblewrap or no
+    interpreter the sandbox user can execute."""
+    uid = _sandbox_uid()
+    # The limit counts every process of the user; allow this run ``max_processes`` more.
+    max_procs = _count_processes(uid) + limits.max_processes + 3  # + bwrap, its init, the program's first process
+    mb = 1024 * 1024
+    python = choose_python(limits.python)
     base = find_base()
     cgroup = SandboxCgroup(base, limits.memory_mb * mb) if base is not None else None
     info_r, info_w = os.pipe()
     try:
-        cmd = bwrap_command(python, 4 * limits.file_mb * mb, limits.file_mb * mb, info_w)
-        with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, pass_fds=(info_w,),
+        cmd = bwrap_command(python, 4 * limits.file_mb * mb, limits.file_mb * mb, info_w, program)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, pass_fds=(info_w,),
                                     cwd="/", start_new_session=True,
                                     preexec_fn=_limiter(limits, max_procs, cgroup, uid))
             os.close(info_w)
             info_w = -1
-            init = _open_init(info_r, proc)
+            report = _read_info(info_r)
+            init = _open_init(report) if report is not None else None
             try:
-                proc.communicate(frame.encode(), timeout=limits.wall_s)
+                proc.communicate(stdin, timeout=limits.wall_s)
                 code: int | None = proc.returncode
             except subprocess.TimeoutExpired:
                 code = None
             finally:
                 _kill_tree(proc, init)
-            stdout.seek(0)
-            proven = f"pass {nonce}\n".encode() in stdout.read(_STDOUT_LIMIT)
-            stderr.seek(0, os.SEEK_END)
-            stderr.seek(max(0, stderr.tell() - 4 * _STDERR_TAIL))
-            tail = stderr.read()[-_STDERR_TAIL:].decode(errors="replace")
-        return SandboxResult(code, tail, proven, cgroup.oom_kills() if cgroup else 0)
+            captured_out, captured_err = _capture(out, stdout), _capture(err, stderr)
+        return ProgramRun(code, captured_out, captured_err, report is not None, cgroup.oom_kills() if cgroup else 0)
     finally:
         os.close(info_r)
         if info_w >= 0:
@@ -271,15 +341,29 @@ def run_task(task: SandboxTask, limits: SandboxLimits) -> SandboxResult:
             cgroup.remove()
 
 
-def _open_init(info_r: int, proc: subprocess.Popen) -> int | None:
-    """A pidfd of the sandbox's PID-namespace init, from bubblewrap's ``--info-fd`` report;
-    None when bubblewrap failed before starting it."""
+def _capture(stream, bound: OutputBound) -> CapturedOutput:
+    """The head and tail of a finished stream's file, reading nothing between them."""
+    stream.seek(0)
+    head = stream.read(bound.head)
+    size = stream.seek(0, os.SEEK_END)
+    stream.seek(max(len(head), size - bound.tail))
+    return CapturedOutput(head, stream.read(), size)
+
+
+def _read_info(info_r: int) -> bytes | None:
+    """Bubblewrap's ``--info-fd`` report, which it writes once the sandbox's namespaces and their
+    init exist; None when it closed the pipe without one (it failed before)."""
     data = b""
     while not data.rstrip().endswith(b"}"):
-        chunk = os.read(info_r, 4096)  # bubblewrap writes it once the init exists, or closes the pipe
+        chunk = os.read(info_r, 4096)
         if not chunk:
             return None
         data += chunk
+    return data
+
+
+def _open_init(data: bytes) -> int | None:
+    """A pidfd of the sandbox's PID-namespace init, named in bubblewrap's ``--info-fd`` report."""
     try:
         pid = int(json.loads(data)["child-pid"])
         return os.pidfd_open(pid)
