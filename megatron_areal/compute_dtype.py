@@ -1,4 +1,4 @@
-"""The dtype a device can compute in: one rule for the trainer and the embedded server.
+"""The dtype a device can compute in: one rule for the trainer, the embedded server and vLLM on CPUs.
 
 On a CPU without native bf16 matrix multiplies (AVX512-BF16 or AMX-BF16; AVX2-only CPUs such as
 many EPYCs) torch runs bf16 matmuls through slow reference kernels, so a requested bf16 runs in
@@ -41,3 +41,9 @@ def runnable_dtype(dtype: torch.dtype, device: torch.device, who: str) -> torch.
                     "many times slower than fp32; computing in float32 instead", who)
         return torch.float32
     return dtype
+
+
+def cpu_dtype_name(name: str, who: str) -> str:
+    """``runnable_dtype`` on this CPU for a dtype named as configs and server flags name it (``bfloat16``):
+    the launcher passes it to servers that do not fall back themselves (vLLM's CPU build)."""
+    return str(runnable_dtype(getattr(torch, name), torch.device("cpu"), who)).removeprefix("torch.")

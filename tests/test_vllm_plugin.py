@@ -93,3 +93,23 @@ def test_without_a_key_the_middleware_passes_everything(monkeypatch: pytest.Monk
 def test_servers_are_started_with_the_middleware() -> None:
     cmd = VLLMLaunch(model_path="m", port=1).command()
     assert cmd[cmd.index("--middleware") + 1] == "megatron_areal.vllm_plugin.admin_key.AdminKeyMiddleware"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "auto"])
+def test_cpu_servers_compute_in_the_trainers_dtype(dtype: str) -> None:
+    """The trainer and the embedded server compute a requested bf16 in fp32 on a CPU without native
+    bf16 (``compute_dtype.runnable_dtype``); a vLLM server on the same CPU must too, or it samples from
+    another policy's numerics (and runs bf16 through slow reference kernels)."""
+    import torch
+
+    from megatron_areal.compute_dtype import runnable_dtype
+    from megatron_areal.config import load_config
+    from megatron_areal.launch.commands import vllm_spec
+    from megatron_areal.run.plan import ServerSlot
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs/smollm2_arith.yaml",
+                      ["server.engine=vllm", f"model.dtype={dtype}"])
+    slot = ServerSlot(id="n0-0", node="n0", addr="127.0.0.1", port=31000, gpus=())
+    requested = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+    trainer = runnable_dtype(requested, torch.device("cpu"), "model.dtype")
+    assert vllm_spec(slot, cfg, "/model").dtype == str(trainer).removeprefix("torch.")

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_areal.compute_dtype import cpu_dtype_name
 from megatron_areal.config import Config
 from megatron_areal.configbase import load_yaml, parse_override
 from megatron_areal.launch.allocator import with_allocator
@@ -46,9 +47,14 @@ def sglang_spec(slot: ServerSlot, cfg: Config, model_dir: str) -> SGLangLaunch:
 
 
 def vllm_spec(slot: ServerSlot, cfg: Config, model_dir: str) -> VLLMLaunch:
-    """The vLLM server of one slot of the plan, run by ``server.python`` (its own environment)."""
+    """The vLLM server of one slot of the plan, run by ``server.python`` (its own environment). On a CPU it
+    computes in the trainer's dtype: fp32 for ``auto``, and for bf16 where this CPU has no native bf16
+    (``compute_dtype``; built on the server's own node, ``launch/node_role.py``)."""
     gpu = bool(slot.gpus)
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("auto" if gpu else "float32")
+    if gpu:
+        dtype = cfg.model.dtype
+    else:
+        dtype = cpu_dtype_name("float32" if cfg.model.dtype == "auto" else cfg.model.dtype, "model.dtype")
     return VLLMLaunch(model_path=model_dir, port=slot.port, host=slot.addr, tp=cfg.server.tp, gpu=gpu, dtype=dtype,
                       context_length=context_length(cfg), max_running=cfg.server.max_running, seed=cfg.train.seed,
                       threads=cfg.server.threads, mem_fraction=cfg.server.mem_fraction, enforce_eager=not gpu,
