@@ -90,25 +90,28 @@ def test_turns_that_extend_each_other_are_one_sequence_with_the_environment_mask
     t1 = turn([1, 2, 3], [10, 11], [3, 3], False)
     t2 = turn([1, 2, 3, 10, 11, 50, 51], [12], [4], True)  # 50, 51: a tool result and the template's header
     t3 = turn([1, 2, 3, 10, 11, 50, 51, 12, 60], [13, 14], [5, 5], True)
-    [traj], shape = episode_trajectories([t1, t2, t3], start_version=4, reward=1.0, group_id=7, prompt_index=3)
+    [traj], shape = episode_trajectories([t1, t2, t3], start_version=4, reward=1.0, group_id=7, episode=0,
+                                         prompt_index=3)
     assert (shape.turns, shape.trajectories, shape.extended) == (3, 1, 2)
     assert traj.input_ids == [1, 2, 3, 10, 11, 50, 51, 12, 60, 13, 14]
     assert traj.loss_mask == [0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
     assert traj.behavior_logprobs == [0, 0, -0.1, -0.2, 0, 0, -0.1, 0, -0.1, -0.2]
     assert traj.output_versions == [3, 3, 3, 3, 4, 4, 5, 5]  # environment tokens: the version before them
     assert traj.start_version == 3  # the oldest token, older than the version the episode started at
-    assert (traj.reward, traj.group_id, traj.prompt_index) == (1.0, 7, 3)
+    assert (traj.reward, traj.group_id, traj.prompt_index, traj.episode) == (1.0, 7, 3, 0)
 
 
 def test_a_turn_that_does_not_extend_starts_a_new_trajectory_with_the_same_reward() -> None:
     t1 = turn([1, 2, 3], [10, 11], [0, 0], False)
     t2 = turn([1, 2, 9, 10, 11, 50], [12], [1], False)  # re-rendered history: not our tokens
     t3 = turn([1, 2, 9, 10, 11, 50, 12, 60], [], [], True)  # generated nothing
-    trajs, shape = episode_trajectories([t1, t2, t3], start_version=0, reward=0.5, group_id=1, prompt_index=0)
+    trajs, shape = episode_trajectories([t1, t2, t3], start_version=0, reward=0.5, group_id=1, episode=2,
+                                        prompt_index=0)
     assert (shape.trajectories, shape.extended) == (2, 1)
     assert [t.input_ids for t in trajs] == [[1, 2, 3, 10, 11], [1, 2, 9, 10, 11, 50, 12, 60]]
     assert [t.loss_mask for t in trajs] == [[0, 0, 1, 1], [0, 0, 0, 0, 0, 1, 0]]
     assert {t.reward for t in trajs} == {0.5} and [t.start_version for t in trajs] == [0, 0]
+    assert [t.episode for t in trajs] == [2, 2]  # one episode: its group's advantages count it once
     with pytest.raises(ValueError, match="does not start with the previous"):
         episode_trajectories([t1, turn([1, 2, 4, 10, 11], [5], [0], True)], start_version=0, reward=0,
-                             group_id=0, prompt_index=0)
+                             group_id=0, episode=0, prompt_index=0)

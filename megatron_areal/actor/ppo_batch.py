@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.algorithm import group_advantages, normalize_advantages
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.rollout.trajectory import Trajectory, episodes
 
 
 def check_trajectories(trajectories: Sequence[Trajectory], max_seq_len: int) -> None:
@@ -51,24 +51,39 @@ def fresh_token_mask(trajectories: Sequence[Trajectory], version: int | None) ->
 
 
 def sequence_advantages(trajectories: Sequence[Trajectory], kind: str) -> list[float]:
-    """One advantage per trajectory from its reward relative to its group (same ``group_id``)."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajectories):
-        groups[t.group_id].append(i)
+    """One advantage per trajectory from its reward relative to its group (same ``group_id``).
+
+    The samples of a group are its episodes (``trajectory.episodes``): an agent episode split into
+    several trajectories enters the group's statistics once, with its one reward, and each of its
+    trajectories carries that episode's advantage. Counting it once per trajectory would weight its
+    reward several times in the group's mean and deviation. Without episode ids every trajectory is
+    a sample, as for single completions."""
+    groups: dict[int, list[list[int]]] = defaultdict(list)
+    for ix in episodes(trajectories):
+        rewards = {trajectories[i].reward for i in ix}
+        if len(rewards) > 1:
+            t = trajectories[ix[0]]
+            raise ValueError(f"episode {t.episode} of group {t.group_id}: its trajectories have different "
+                             f"rewards {sorted(rewards)}")
+        groups[trajectories[ix[0]].group_id].append(ix)
     out = [0.0] * len(trajectories)
-    sizes = {len(ix) for ix in groups.values()}
+
+    def assign(members: list[list[int]], advantages: list[float]) -> None:
+        for ix, a in zip(members, advantages):
+            for i in ix:
+                out[i] = a
+
+    sizes = {len(eps) for eps in groups.values()}
     if len(sizes) == 1:  # the common case: one tensor for all groups
         members = list(groups.values())
-        rewards = torch.tensor([[trajectories[i].reward for i in ix] for ix in members], dtype=torch.float32)
-        adv = group_advantages(rewards, kind)
-        for ix, row in zip(members, adv.tolist()):
-            for i, a in zip(ix, row):
-                out[i] = a
+        rewards = torch.tensor([[trajectories[ix[0]].reward for ix in eps] for eps in members],
+                               dtype=torch.float32)
+        for eps, row in zip(members, group_advantages(rewards, kind).tolist()):
+            assign(eps, row)
         return out
-    for ix in groups.values():  # groups of different sizes (some samples were dropped)
-        rewards = torch.tensor([[trajectories[i].reward for i in ix]], dtype=torch.float32)
-        for i, a in zip(ix, group_advantages(rewards, kind)[0].tolist()):
-            out[i] = a
+    for eps in groups.values():  # groups of different sizes (some samples were dropped)
+        rewards = torch.tensor([[trajectories[ix[0]].reward for ix in eps]], dtype=torch.float32)
+        assign(eps, group_advantages(rewards, kind)[0].tolist())
     return out
 
 

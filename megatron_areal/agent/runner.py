@@ -93,14 +93,15 @@ class EpisodeRunner:
 
     async def run_group(self, gid: int, prompt: PromptLike, version: int, generate: Generate,
                         group_size: int) -> list[Trajectory]:
-        """``group_size`` episodes of ``prompt`` -> their trajectories (all with ``group_id = gid``)."""
+        """``group_size`` episodes of ``prompt`` -> their trajectories (all with ``group_id = gid``; those of
+        the i-th episode with ``episode = i``, so that an episode split into several counts once)."""
         task = agent_task(prompt)
         episodes = await asyncio.gather(*(self.run_episode(task, generate, f"g{gid}e{i}")
                                           for i in range(group_size)))
         out: list[Trajectory] = []
-        for session, outcome in episodes:
+        for i, (session, outcome) in enumerate(episodes):
             trajectories, shape = episode_trajectories(
-                session.turns, start_version=version, reward=outcome.reward, group_id=gid,
+                session.turns, start_version=version, reward=outcome.reward, group_id=gid, episode=i,
                 prompt_index=prompt.index, answer=task.answer, task=prompt.task)
             out += trajectories
             self._count(session, outcome, shape.trajectories)

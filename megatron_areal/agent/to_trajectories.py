@@ -6,7 +6,8 @@ prompt; its output is the first reply, then for every later turn the tokens the 
 (tool results, a user message, the template's headers: mask 0, logprob 0, the version of the reply
 before them) and that turn's reply (mask 1, the server's logprobs and versions). A turn that does
 not extend starts a new chain, so an episode whose history was edited becomes one trajectory per
-unbroken run of turns, each carrying the episode's reward.
+unbroken run of turns, each carrying the episode's reward and its ``episode`` id, so that the group's
+advantages count the episode once however many trajectories it became (``Trajectory.episode``).
 
 The staleness gate judges a trajectory by its oldest token: ``start_version`` is the smallest
 version of any reply token, or the version the episode started at if that is smaller.
@@ -40,7 +41,7 @@ def chains(turns: Sequence[Turn]) -> list[list[Turn]]:
     return out
 
 
-def chain_trajectory(chain: Sequence[Turn], *, start_version: int, reward: float, group_id: int,
+def chain_trajectory(chain: Sequence[Turn], *, start_version: int, reward: float, group_id: int, episode: int,
                      prompt_index: int, answer: object, task: str) -> Trajectory:
     """One trajectory for turns that extend each other (``chains``)."""
     first = chain[0]
@@ -60,17 +61,22 @@ def chain_trajectory(chain: Sequence[Turn], *, start_version: int, reward: float
     generated = [v for v, m in zip(versions, mask) if m]
     return Trajectory(prompt_ids=list(first.prompt_ids), output_ids=ids, output_logprobs=logprobs,
                       output_versions=versions, output_mask=mask,
-                      start_version=min([start_version, *generated]), group_id=group_id,
+                      start_version=min([start_version, *generated]), group_id=group_id, episode=episode,
                       prompt_index=prompt_index, answer=answer, task=task, reward=reward,
                       finish_reason=chain[-1].finish_reason, interruptions=sum(t.interruptions for t in chain))
 
 
 def episode_trajectories(turns: Sequence[Turn], *, start_version: int, reward: float, group_id: int,
-                         prompt_index: int, answer: object = None,
+                         episode: int, prompt_index: int, answer: object = None,
                          task: str = "agent") -> tuple[list[Trajectory], EpisodeShape]:
-    """Trajectories of one episode (none when it generated nothing), and how they were laid out."""
+    """Trajectories of one episode (none when it generated nothing), and how they were laid out.
+
+    ``episode`` must tell this episode apart from the others of group ``group_id`` (its index there)."""
+    if episode < 0:
+        raise ValueError(f"episode id must be >= 0 (it ties the episode's trajectories together), got {episode}")
     runs = [c for c in chains(turns) if any(t.output_ids for t in c)]
     trajectories = [chain_trajectory(c, start_version=start_version, reward=reward, group_id=group_id,
-                                     prompt_index=prompt_index, answer=answer, task=task) for c in runs]
+                                     episode=episode, prompt_index=prompt_index, answer=answer, task=task)
+                    for c in runs]
     extended = sum(len(c) - 1 for c in runs)
     return trajectories, EpisodeShape(turns=len(turns), trajectories=len(trajectories), extended=extended)

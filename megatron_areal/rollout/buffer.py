@@ -5,7 +5,8 @@ The trainer at policy version ``v`` may train a group only if ``v - group.start_
 and counted, never trained), then hands out the ``batch_size`` oldest groups: lowest start
 version first, arrival order among equals, so nothing waits long enough to go stale while
 newer work is trained. Groups whose rewards are all equal carry no signal for group-relative
-advantages; with ``filter_equal_rewards`` they are refused at ``put`` and counted.
+advantages; with ``filter_equal_rewards`` they are refused at ``put`` and counted. A group's samples
+are its episodes (``Trajectory.episode``): an agent episode split into several trajectories is one.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.rollout.trajectory import Trajectory, episodes
 
 
 @dataclass
@@ -33,6 +34,11 @@ class Group:
     def rewards(self) -> list[float]:
         """The samples' rewards, in order."""
         return [t.reward for t in self.trajectories]
+
+    @property
+    def episode_rewards(self) -> list[float]:
+        """One reward per episode (``trajectory.episodes``), in order: what the group's advantages see."""
+        return [self.trajectories[ix[0]].reward for ix in episodes(self.trajectories)]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for a checkpoint."""
@@ -85,7 +91,7 @@ class ReplayBuffer:
             if not self.admissible(group, version):
                 self.dropped_stale += 1
                 return PutResult.STALE
-            rewards = group.rewards
+            rewards = group.episode_rewards
             if self.filter_equal_rewards and len(rewards) > 1 and max(rewards) == min(rewards):
                 self.filtered += 1
                 return PutResult.FILTERED

@@ -119,8 +119,9 @@ class RolloutController:
     # ----- the trainer's API
 
     def get_batch(self, timeout: float) -> list[Trajectory]:
-        """``batch_size`` groups (``batch_size * group_size`` trajectories, grouped), each at most
-        ``eta`` versions old. Blocks; raises ``RolloutError`` saying what is missing on timeout."""
+        """``batch_size`` groups (``batch_size * group_size`` trajectories, grouped; more where an agent
+        episode became several, ``Trajectory.episode``), each at most ``eta`` versions old. Blocks; raises
+        ``RolloutError`` saying what is missing on timeout."""
         return self._call(self._core.take_batch(timeout), timeout + CONTROL_TIMEOUT_S)
 
     def pause_generation(self, pause_servers: bool = True) -> None:

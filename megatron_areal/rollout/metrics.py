@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.rollout.trajectory import Trajectory, episodes
 
 
 def _mean(xs: list[float]) -> float:
@@ -18,16 +18,26 @@ def _mean(xs: list[float]) -> float:
 
 
 def batch_stats(trajectories: list[Trajectory], version: int) -> dict[str, float]:
-    """Statistics of one training batch taken at policy ``version``."""
+    """Statistics of one training batch taken at policy ``version``.
+
+    Reward and lengths are per episode (``trajectory.episodes``; a single-completion sample is an
+    episode), so an agent episode split into several trajectories counts once. ``response_len``
+    counts the tokens the policy generated (``policy_mask``), over all of an episode's turns;
+    ``episode_len`` counts every output token, the environment's too (tool results, the template's
+    turn headers): for single completions the two are equal. Staleness, interruptions and truncation
+    are per trajectory: they belong to each trajectory's own tokens."""
     staleness = [version - t.start_version for t in trajectories]
-    lengths = [len(t.output_ids) for t in trajectories]
+    members = episodes(trajectories)
+    generated = [sum(sum(trajectories[i].policy_mask) for i in ix) for ix in members]
+    outputs = [sum(len(trajectories[i].output_ids) for i in ix) for ix in members]
     return {
-        "rollout/reward_mean": _mean([t.reward for t in trajectories]),
+        "rollout/reward_mean": _mean([trajectories[ix[0]].reward for ix in members]),
         "rollout/staleness_mean": _mean(staleness),
         "rollout/staleness_max": float(max(staleness, default=0)),
         "rollout/interrupted_fraction": _mean([float(t.interruptions > 0) for t in trajectories]),
-        "rollout/response_len_mean": _mean(lengths),
-        "rollout/response_len_max": float(max(lengths, default=0)),
+        "rollout/response_len_mean": _mean(generated),
+        "rollout/response_len_max": float(max(generated, default=0)),
+        "rollout/episode_len_mean": _mean(outputs),
         "rollout/truncated_fraction": _mean([float(t.finish_reason == "length") for t in trajectories]),
     }
 

@@ -14,6 +14,7 @@ the weights that produced the token after it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,7 +28,13 @@ class Trajectory:
     the first prompt: the policy's replies and, between them, the tokens the environment added (tool
     results, the next user message, the chat template's headers). ``output_mask`` marks which output
     tokens the policy generated (1, trained) and which came from the environment (0: their logprob is 0
-    and their version that of the reply before them). Empty means every output token is the policy's."""
+    and their version that of the reply before them). Empty means every output token is the policy's.
+
+    An episode whose turns do not extend each other becomes several trajectories with the episode's reward;
+    ``episode`` (the same id, unique within the group) ties them together, so that what counts the samples
+    of a group (group advantages, the all-equal-rewards filter, the mean reward) counts the episode once
+    (``episodes``). -1, the default, makes the trajectory an episode of its own: every single-completion
+    sample, and trajectories saved before the field existed."""
 
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
@@ -43,6 +50,7 @@ class Trajectory:
     interruptions: int = 0  # times generation was paused and resumed under newer weights
     routed_experts: bytes | None = None  # see the module docstring
     output_mask: list[int] = field(default_factory=list)  # per output token: 1 policy, 0 environment
+    episode: int = -1  # agent episodes: the episode's id within its group; -1: an episode of its own
 
     @property
     def policy_mask(self) -> list[int]:
@@ -72,3 +80,20 @@ class Trajectory:
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
         """The trajectory ``to_dict`` wrote."""
         return cls(**data)
+
+
+def episodes(trajectories: Sequence[Trajectory]) -> list[list[int]]:
+    """The indices of ``trajectories`` grouped by episode, in order of first appearance: those of one group
+    with the same ``episode`` id (>= 0) form one episode, one with ``episode < 0`` is an episode alone."""
+    out: list[list[int]] = []
+    shared: dict[tuple[int, int], list[int]] = {}
+    for i, t in enumerate(trajectories):
+        if t.episode < 0:
+            out.append([i])
+            continue
+        key = (t.group_id, t.episode)
+        if key not in shared:
+            shared[key] = []
+            out.append(shared[key])
+        shared[key].append(i)
+    return out

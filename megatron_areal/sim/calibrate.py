@@ -169,6 +169,9 @@ def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
     """``sc`` with the run's own response and prompt lengths and its share of discarded groups (where
     the scalars have them)."""
     sim = sc.sim
+    # rollout/response_len_mean counts the tokens the policy generated per sample (per agent episode),
+    # not the tool results and template tokens between an episode's turns: those are prefilled, never
+    # decoded, and the simulator's response length is what the servers decode.
     if "rollout/response_len_mean" in scalars:
         target = statistics.fmean(scalars["rollout/response_len_mean"])
         if not 0 < target < sc.max_new_tokens:
