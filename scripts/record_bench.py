@@ -26,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
-RESULT = re.compile(r"^RESULT (?P<name>\S+) (?P<value>\S+)\s*$")
+# "RESULT name value", optionally followed by what qualifies it in parentheses (a spread over runs)
+RESULT = re.compile(r"^RESULT (?P<name>\S+) (?P<value>\S+)(?P<spread> \([^()]*\))?\s*$")
 LOG_HEADING = "## Log"
 LOG_HEADER = "| date | bench | figures | machine | tree | command |"
 
@@ -60,8 +61,9 @@ class Row:
 
 
 def parse_results(text: str, source: str = "output") -> list[tuple[str, str]]:
-    """The ``(name, value)`` of every RESULT line, in order. A line that starts with ``RESULT`` but is not
-    ``RESULT <name> <number>`` is an error naming its line number."""
+    """The ``(name, value)`` of every RESULT line, in order; a parenthesised spread after the number stays
+    with the value. A line that starts with ``RESULT`` but is not ``RESULT <name> <number> [(...)]`` is an
+    error naming its line number."""
     found = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.startswith("RESULT"):
@@ -73,7 +75,7 @@ def parse_results(text: str, source: str = "output") -> list[tuple[str, str]]:
             float(match["value"])
         except ValueError:
             raise RecordError(f"{source}:{number}: {match['value']!r} is not a number") from None
-        found.append((match["name"], match["value"]))
+        found.append((match["name"], match["value"] + (match["spread"] or "")))
     return found
 
 

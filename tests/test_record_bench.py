@@ -44,6 +44,13 @@ def test_parser_takes_the_result_lines_in_order() -> None:
         ("packing_speedup", "2.314"), ("packing_speedup_vs_sorted", "1.207"), ("train_vs_hf", "1.420")]
 
 
+def test_a_result_keeps_its_spread_in_parentheses() -> None:
+    """bench/time_to_accuracy.py follows its figure with the spread over run pairs; the table keeps it."""
+    line = "RESULT gain_per_minute_vs_plain 2.99 (min 1.06, max 1.20 over 2 x 2 run pairs)"
+    assert record_bench.parse_results(f"runs\n{line}\n") == [
+        ("gain_per_minute_vs_plain", "2.99 (min 1.06, max 1.20 over 2 x 2 run pairs)")]
+
+
 @pytest.mark.parametrize(("line", "error"), [
     ("RESULT train_vs_hf", "out:2: 'RESULT train_vs_hf' is not 'RESULT <name> <number>'"),
     ("RESULT train_vs_hf fast", "out:2: 'fast' is not a number"),
