@@ -237,9 +237,8 @@ def _harness_program() -> tuple[str, ...]:
 
 
 def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int, info_fd: int,
-                  program: Sequence[str] | None = None) -> list[str]:
-    """The bubblewrap command running ``python -I -B`` with ``program``'s arguments (by default the
-    harness's test process) in the sandbox."""
+                  program: Sequence[str]) -> list[str]:
+    """The bubblewrap command running ``python -I -B`` with ``program``'s arguments in the sandbox."""
     bwrap = check_sandbox_available()
     return [
         bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
@@ -249,8 +248,8 @@ def bwrap_command(python: str, scratch_bytes: int, shm_bytes: int, info_fd: int,
         "--size", str(scratch_bytes), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--hostname", "sandbox",
-        # -I ignores PYTHON* and the user site; the harness reads the answer and tests from stdin
-        python, "-I", "-B", *(_harness_program() if program is None else program),
+        # -I ignores PYTHON* and the user site; the program reads its input from stdin
+        python, "-I", "-B", *program,
     ]
 
 

@@ -31,11 +31,6 @@ class Group:
         return min(t.start_version for t in self.trajectories)
 
     @property
-    def rewards(self) -> list[float]:
-        """The samples' rewards, in order."""
-        return [t.reward for t in self.trajectories]
-
-    @property
     def episode_rewards(self) -> list[float]:
         """One reward per episode (``trajectory.episodes``), in order: what the group's advantages see."""
         return [self.trajectories[ix[0]].reward for ix in episodes(self.trajectories)]
