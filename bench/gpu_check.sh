@@ -10,6 +10,7 @@
 # Sections are appended below by each part of the system; each prints "== <name>" first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+failed=()  # a failing section is reported at the end; the sections after it still run
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
@@ -30,7 +31,7 @@ print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
 EOF
 
 echo "== actor: packed logprobs and one decoupled-PPO step on NCCL (world size 1), local and TE spec"
-MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29561} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "$PY" - <<'EOF'
+MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29561} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "$PY" - <<'EOF' || failed+=(actor)
 import math
 import random
 import time
@@ -121,10 +122,15 @@ EOF
 
 echo "== server: the embedded server on the accelerator, output tokens/s under concurrency"
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  "$PY" bench/gpu_server.py --device cuda
+  "$PY" bench/gpu_server.py --device cuda || failed+=(server)
 else
   echo "CUDA not available: skipping the embedded server on CUDA (bench/serve.py measures it on CPU)"
 fi
 
 echo "== realloc: trainer-side gather/convert/bucket stream vs a plain device copy (one GPU: no second rank for NCCL)"
-MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT_REALLOC:-29571} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "$PY" bench/gpu_realloc.py
+MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT_REALLOC:-29571} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "$PY" bench/gpu_realloc.py || failed+=(realloc)
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED sections: ${failed[*]}" >&2
+  exit 1
+fi

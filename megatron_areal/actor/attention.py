@@ -113,11 +113,12 @@ class PackedCoreAttention(MegatronModule):
                              f"{query.size(0)} tokens")
         buckets, order = padded_buckets(tuple(end - start for start, end in zip(cu[:-1], cu[1:])),
                                         tuple(getattr(packed_seq_params, "continues", ())))
-        outs = []
+        outs, device = [], query.device  # the (cached) index tensors are built on the CPU
         for gather, keep, rows, width in buckets:
+            gather, keep = gather.to(device, non_blocking=True), keep.to(device, non_blocking=True)
             q, k, v = (x.index_select(0, gather).view(rows, width, *x.shape[1:]).transpose(1, 2)
                        for x in (query, key, value))
             out = self._attend(q, k, v).transpose(1, 2).reshape(rows * width, *query.shape[1:])
             outs.append(out.index_select(0, keep))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        return out.index_select(0, order).reshape(query.size(0), -1)
+        return out.index_select(0, order.to(device, non_blocking=True)).reshape(query.size(0), -1)
