@@ -33,3 +33,5 @@ def test_summary_reads_before_and_after(tmp_path: Path) -> None:
     append_eval(tmp_path, {"step": 0, "label": "before", "accuracy": 0.195, "n": 200})
     append_eval(tmp_path, {"step": 2, "label": "after", "accuracy": 0.295, "n": 200})
     assert progress.summary() == f"held-out accuracy 19.5% -> 29.5% (+10.0 points); run directory: {tmp_path}"
+    assert progress.summary(wall_s=300.0) == (f"held-out accuracy 19.5% -> 29.5% (+10.0 points in 5m00s: "
+                                              f"+2.00 points/min); run directory: {tmp_path}")

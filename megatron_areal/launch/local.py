@@ -10,6 +10,8 @@ import socket
 import time
 from dataclasses import replace
 
+import psutil
+
 from megatron_areal.config import Config
 from megatron_areal.launch.commands import role_env, server_command, shares_cores, trainer_command
 from megatron_areal.launch.describe import describe
@@ -114,5 +116,6 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, override
         logger.info("%s", line)
     (logger.info if rc == 0 else logger.error)("trainer exited with code %d (log %s)", rc, trainer.log_path)
     if rc == 0:
-        logger.info("%s", progress.summary())
+        # the command's wall time, model preparation and both evaluations included
+        logger.info("%s", progress.summary(time.time() - psutil.Process().create_time()))
     return rc

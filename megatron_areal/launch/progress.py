@@ -59,14 +59,16 @@ class RunProgress:
         parts.append(f"ETA {_duration(eta)}")
         return " | ".join(parts)
 
-    def summary(self) -> str:
-        """The run's closing line: held-out accuracy before -> after, and where the run lives."""
+    def summary(self, wall_s: float | None = None) -> str:
+        """The run's closing line: held-out accuracy before -> after, with the gain per minute of ``wall_s``
+        (the command's wall time) when given, and where the run lives."""
         before, after = read_eval(self.run_dir, "before"), read_eval(self.run_dir, "after")
         where = f"run directory: {self.run_dir}"
         if before is None or after is None:
             return f"no held-out accuracy recorded; {where}"
-        return (f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points); "
-                + where)
+        gain = 100 * (after - before)
+        per_minute = f" in {_duration(wall_s)}: {gain / (wall_s / 60):+.2f} points/min" if wall_s else ""
+        return f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({gain:+.1f} points{per_minute}); {where}"
 
 
 def _duration(seconds: float) -> str:
