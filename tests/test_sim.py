@@ -167,9 +167,11 @@ def test_cli_prints_prediction_and_plots(tmp_path, capsys):
     assert simulate_main([str(cfg), "sim.gpu=TPU"]) == 2
 
 
-def _write_events(run_dir, r, loss_per_token: float = 1.0, extra: dict[str, float] | None = None) -> None:
+def _write_events(run_dir, r, loss_per_token: float = 1.0, extra: dict[str, float] | None = None,
+                  totals: dict[str, float] | None = None) -> None:
     """The scalars a trainer logs for the simulated run ``r``: ``loss_per_token`` of every trained token
-    counts as trained (the rest are prompt tokens), ``extra`` tags are logged as constants."""
+    counts as trained (the rest are prompt tokens), ``extra`` tags are logged as constants, ``totals`` as
+    cumulative counters that reach their value at the last step, growing evenly."""
     from torch.utils.tensorboard import SummaryWriter
 
     sc = r.scenario
@@ -185,6 +187,8 @@ def _write_events(run_dir, r, loss_per_token: float = 1.0, extra: dict[str, floa
         w.add_scalar("perf/train_tokens_per_s", loss_per_token * (s.trained_tokens - tr0) / dt, i)
         for tag, value in (extra or {}).items():
             w.add_scalar(tag, value, i)
+        for tag, value in (totals or {}).items():
+            w.add_scalar(tag, value * (i + 1) / len(snaps), i)
         w.add_scalar("perf/generator_idle_fraction", 1 - (s.gen_busy - gb0) / (dt * r.scenario.n_servers), i)
         w.add_scalar("perf/trainer_idle_fraction", 1 - (s.train_busy - tb0) / dt, i)
         w.add_scalar("perf/weight_sync_s", sync_s, i)
@@ -221,8 +225,9 @@ def test_calibration_of_a_prompt_heavy_run_that_discards_groups(tmp_path):
     mean_response = _truncated_mean(40, 1.0, 64)
     all_per_loss = (120 + mean_response) / mean_response
     _write_events(tmp_path, r, loss_per_token=1 / all_per_loss, extra={
-        "rollout/response_len_mean": mean_response, "rollout/filtered_groups": r.discarded,
-        "perf/train_all_tokens_per_s": 100.0 * all_per_loss, "perf/train_compute_tokens_per_s": 100.0})
+        "rollout/response_len_mean": mean_response,
+        "perf/train_all_tokens_per_s": 100.0 * all_per_loss, "perf/train_compute_tokens_per_s": 100.0},
+        totals={"rollout/filtered_groups": r.discarded})
     start = truth.replace(discard_fraction=0.0, sim=dataclasses.replace(
         truth.sim, decode_step_overhead_s=5e-4, train_mfu=0.4, prompt_mean_tokens=400, response_mean_tokens=600))
     cal = calibrate(start, read_scalars(tmp_path))

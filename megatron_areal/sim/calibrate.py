@@ -39,6 +39,7 @@ TAGS = ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/weight_sync_s"
         "perf/trainer_idle_fraction", "perf/generator_idle_fraction", "rollout/staleness_mean",
         "rollout/response_len_mean", "rollout/filtered_groups", "rollout/dropped_stale",
         "perf/train_all_tokens_per_s", "perf/train_compute_tokens_per_s")
+PREDICTED_STEPS = 400  # steps simulated for the predicted step time (the fits simulate ``sim.steps``)
 REQUIRED = ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/step_time_s")
 
 
@@ -166,29 +167,40 @@ def _truncated_mean(mean: float, sigma: float, limit: int) -> float:
 
 
 def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
-    """``sc`` with the run's own response and prompt lengths and its share of discarded groups (where
-    the scalars have them)."""
+    """``sc`` with the run's own response and prompt lengths (over the steady steps: a policy that learns
+    to answer shorter changes them as it trains) and its share of discarded groups (where the scalars
+    have them)."""
     sim = sc.sim
+    window = steady(scalars, sim.warmup_steps)
     # rollout/response_len_mean counts the tokens the policy generated per sample (per agent episode),
     # not the tool results and template tokens between an episode's turns: those are prefilled, never
     # decoded, and the simulator's response length is what the servers decode.
-    if "rollout/response_len_mean" in scalars:
-        target = statistics.fmean(scalars["rollout/response_len_mean"])
+    if "rollout/response_len_mean" in window:
+        target = statistics.fmean(window["rollout/response_len_mean"])
         if not 0 < target < sc.max_new_tokens:
             raise CalibrationError(f"rollout/response_len_mean averages {target:.1f}, outside (0, "
                                    f"max_new_tokens={sc.max_new_tokens}): not a run of this config")
         mean = _bisect(lambda m: -_truncated_mean(m, sim.response_sigma, sc.max_new_tokens), 1.0, 1e7, -target, 60,
                        log_scale=True)
         sim = dataclasses.replace(sim, response_mean_tokens=mean)
-        ratio = all_per_trained_token(scalars)
+        ratio = all_per_trained_token(window)
         if ratio > 1.0:  # prompt + response over response tokens of the same trained batches
             sim = dataclasses.replace(sim, prompt_mean_tokens=max(1.0, target * (ratio - 1)))
     discard = 0.0
-    if "rollout/filtered_groups" in scalars:
-        thrown = scalars["rollout/filtered_groups"][-1] + scalars.get("rollout/dropped_stale", [0.0])[-1]
-        trained = sc.batch_size * len(scalars["perf/step_time_s"])
+    if "rollout/filtered_groups" in scalars:  # cumulative counts: thrown away over the same steady steps
+        steps = len(scalars["perf/step_time_s"])
+        first = sim.warmup_steps if steps > sim.warmup_steps else 0
+        thrown = sum(_since(scalars.get(tag, []), first) for tag in ("rollout/filtered_groups", "rollout/dropped_stale"))
+        trained = sc.batch_size * (steps - first)
         discard = thrown / (thrown + trained)
     return sc.replace(sim=sim, discard_fraction=discard)
+
+
+def _since(cumulative: list[float], first: int) -> float:
+    """What a cumulative per-step counter added after its first ``first`` steps (0 for an empty series)."""
+    if not cumulative:
+        return 0.0
+    return cumulative[-1] - (cumulative[first - 1] if first else 0.0)
 
 
 def steady(scalars: dict[str, list[float]], warmup: int) -> dict[str, list[float]]:
@@ -225,7 +237,10 @@ def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
 
     overhead = _bisect(gen_rate, 1e-6, 10.0, gen_target, 24, log_scale=True)
     sim = dataclasses.replace(sim, decode_step_overhead_s=overhead)
-    result = simulate(sc.replace(sim=sim))
+    # The prediction is the model's long-run step time: with a batch of one or two groups, a few runs of
+    # discarded groups move the mean of a short simulation by tens of percent (the fits above only
+    # need rates, which short simulations give).
+    result = simulate(sc.replace(sim=dataclasses.replace(sim, steps=max(sim.steps, PREDICTED_STEPS))))
     w = sim.warmup_steps
     pred_steps, meas_steps = result.step_times[w:], measured[w:] or measured
     n = min(len(pred_steps), len(meas_steps))
