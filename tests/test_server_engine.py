@@ -124,9 +124,50 @@ def test_plan_prefills_a_prompt_once_and_keeps_slots_for_its_group() -> None:
     assert list(sched.waiting) == b[1:]
 
 
+def test_plan_shares_the_longest_common_prefix_a_running_request_holds() -> None:
+    """Different prompts that open with the same tokens (a chat template's header) copy them from the
+    running request that holds the longest match, and compute only their own tail."""
+    sched = Scheduler(max_running=8, max_len=64, eos_ids=(0,))
+
+    def req(rid: str, prompt: list[int]) -> Request:
+        return Request(rid=rid, prompt_ids=prompt, params=SamplingParams(), generator=torch.Generator(),
+                       on_finish=lambda r: None)
+
+    short, long = req("short", [1, 2, 3, 4]), req("long", [1, 2, 3, 5, 6, 7])
+    for r in (short, long):
+        r.cached = len(r.all_ids)
+    sched.running += [short, long]
+    a, b, c = req("a", [1, 2, 3, 5, 6, 9]), req("b", [1, 2, 8]), req("c", [7, 7])
+    sched.waiting.extend([a, b, c])
+    plan = sched.plan(free_slots=3)
+    assert plan.prefill == [a, b, c]
+    assert {(d.rid, r.rid, n) for d, r, n in plan.shares} == {("long", "a", 5), ("short", "b", 2)}
+
+
+def test_prompts_with_a_common_header_prefill_it_once(tiny_llama, engine_for) -> None:
+    """Three prompts with a common 6-token header, nothing running: the first prefills alone, the others
+    wait one step and copy the header's KV, and every output and logprob is still transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_for(tiny_llama)
+    counting = engine.model = CountingModel(engine.model)
+    header = [2, 9, 14, 3, 8, 21]
+    prompts = [header + tail for tail in ([5, 6, 7], [30, 31], [40, 41, 42, 43])]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    done = run(engine, [(f"p{i}", p, greedy) for i, p in enumerate(prompts)])
+    first, second = counting.forwards[:2]
+    assert [(start, n) for _, start, n, _ in first] == [(0, len(prompts[0]))]
+    assert sorted((start, n) for _, start, n, _ in second) == [(len(header), 2), (len(header), 4), (len(prompts[0]), 1)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        assert done[f"p{i}"].output_ids == hf_greedy(hf, prompt, 10)
+        assert_logprobs_match(hf, done[f"p{i}"], 1.0)
+
+
 def test_retracted_samples_share_the_prompt_again(tiny_llama, engine_for) -> None:
     """After a retract (as for a weight update) the samples of a prompt are prefilled again: one from
-    position 0, the others from its prompt KV onwards (several tokens past a shared prefix)."""
+    position 0 (prompt and the tokens so far), and the others, whose greedy tokens so far are the same
+    (one step behind: they joined a step later), copy all of theirs but their last token."""
     from transformers import AutoModelForCausalLM
 
     engine = engine_for(tiny_llama)
@@ -147,8 +188,11 @@ def test_retracted_samples_share_the_prompt_again(tiny_llama, engine_for) -> Non
     engine.pause("retract")
     engine.resume()
     assert finished.wait(120)
-    assert any(start > 0 and n > 1 for rows in counting.forwards for _, start, n, _ in rows), \
-        f"no prefill after the retract: {len(counting.forwards)} forwards"
+    again = [i for i, rows in enumerate(counting.forwards) if any(start == 0 and n > len(PROMPTS[0])
+                                                                  for _, start, n, _ in rows)]
+    assert again, f"no prefill after the retract: {len(counting.forwards)} forwards"
+    after = counting.forwards[again[0] + 1]  # the first one's decode, and the others' one token each
+    assert len(after) == 3 and all(k == 1 and start > len(PROMPTS[0]) for _, start, k, _ in after), after
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     ref = hf_greedy(hf, PROMPTS[0], 150)
     for r in done.values():

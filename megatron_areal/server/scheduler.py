@@ -4,9 +4,12 @@ Pure bookkeeping, no tensors: the engine asks for a plan, runs the model and rep
 A request holds a KV slot from its prefill until it finishes, is aborted or is retracted (sent
 back to the queue with its tokens so far, to be prefilled again, e.g. under new weights).
 
-Requests with the same prompt (the n samples of one request, the samples of a group sent one by
-one) prefill it once: the first is admitted alone, and the others, admitted while it runs, copy
-its prompt KV (see ``Plan.shares``) and compute only the prompt's last token.
+Requests that begin with the same tokens prefill them once: the samples of one prompt (the n
+samples of a request, a group sent one by one) share all of it but its last token, and different
+prompts share the chat template's common header. A request copies the longest prefix a running
+request holds (``Plan.shares``) and computes only the rest; one whose longer prefix is being
+prefilled in the same step waits a step for it. (A weight update retracts every running
+request, so all KV in the slots is the current weights'.)
 """
 from __future__ import annotations
 
@@ -78,24 +81,26 @@ class Scheduler:
     def plan(self, free_slots: int) -> Plan:
         """Admit queued requests in order while slots and the prefill token budget allow.
 
-        A request whose prompt a running request holds shares that prompt's KV; one whose prompt
-        is being prefilled in this very plan waits a step for it, keeping its place in the queue and
-        a slot (so that requests behind it do not take the slots its group needs to share).
+        Each starts from the longest prefix of its tokens that a running request holds; one whose longer prefix is being prefilled in this very plan waits a step
+        for it, keeping its place in the queue and a slot (so that requests behind it do not take the
+        slots its group needs to share).
         """
-        holders = {tuple(r.prompt_ids): r for r in self.running}
         plan = Plan(prefill=[], decode=list(self.running))
-        prefilling: set[tuple[int, ...]] = set()
+        if not self.waiting:
+            return plan
+        donors = {tuple(r.all_ids[:r.cached]): r for r in self.running if r.cached}
+        prefilling: list[list[int]] = []
         kept: deque[Request] = deque()
         tokens = 0
         while self.waiting and len(plan.prefill) + len(kept) < free_slots:
             r = self.waiting.popleft()
-            prompt = tuple(r.prompt_ids)
-            donor = holders.get(prompt)
-            if donor is None and prompt in prefilling:
+            ids = r.all_ids
+            donor, shared = longest_prefix(ids, donors)
+            shared = min(shared, len(ids) - 1)  # the last token is computed: its logits sample the next
+            if min(max((common_prefix(ids, p) for p in prefilling), default=0), len(ids) - 1) > shared:
                 kept.append(r)  # holds a slot: it is counted against free_slots above
                 continue
-            shared = min(len(prompt), len(r.all_ids) - 1, donor.cached) if donor is not None else 0
-            cost = len(r.all_ids) - shared
+            cost = len(ids) - shared
             if plan.prefill and tokens + cost > self.max_prefill_tokens:
                 kept.append(r)
                 break
@@ -103,8 +108,7 @@ class Scheduler:
             plan.prefill.append(r)
             if shared > 0:
                 plan.shares.append((donor, r, shared))
-            elif donor is None:
-                prefilling.add(prompt)
+            prefilling.append(r.prompt_ids)
         kept.extend(self.waiting)
         self.waiting = kept
         return plan
@@ -158,3 +162,22 @@ class Scheduler:
         retracted, self.running = self.running, []
         self.waiting.extendleft(reversed(retracted))
         return retracted
+
+
+def common_prefix(a: list[int], b: list[int] | tuple[int, ...]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def longest_prefix(ids: list[int], donors: dict[tuple[int, ...], Request]) -> tuple[Request | None, int]:
+    """The donor whose cached tokens share the longest prefix with ``ids``, and that length (0: none)."""
+    best, length = None, 0
+    for cached, donor in donors.items():
+        n = common_prefix(ids, cached)
+        if n > length:
+            best, length = donor, n
+    return best, length
