@@ -81,9 +81,9 @@ class Scheduler:
     def plan(self, free_slots: int) -> Plan:
         """Admit queued requests in order while slots and the prefill token budget allow.
 
-        Each starts from the longest prefix of its tokens that a running request holds; one whose longer prefix is being prefilled in this very plan waits a step
-        for it, keeping its place in the queue and a slot (so that requests behind it do not take the
-        slots its group needs to share).
+        Each starts from the longest prefix of its tokens that a running request holds; one whose
+        longer prefix is being prefilled in this very plan waits a step for it, keeping its place in the
+        queue and a slot (so that requests behind it do not take the slots its group needs to share).
         """
         plan = Plan(prefill=[], decode=list(self.running))
         if not self.waiting:
