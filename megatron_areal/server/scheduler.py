@@ -89,7 +89,7 @@ class Scheduler:
         if not self.waiting:
             return plan
         donors = {tuple(r.all_ids[:r.cached]): r for r in self.running if r.cached}
-        prefilling: list[list[int]] = []
+        prefilling: dict[tuple[int, ...], Request] = {}  # prompts this plan prefills, by their tokens
         kept: deque[Request] = deque()
         tokens = 0
         while self.waiting and len(plan.prefill) + len(kept) < free_slots:
@@ -97,7 +97,7 @@ class Scheduler:
             ids = r.all_ids
             donor, shared = longest_prefix(ids, donors)
             shared = min(shared, len(ids) - 1)  # the last token is computed: its logits sample the next
-            if min(max((common_prefix(ids, p) for p in prefilling), default=0), len(ids) - 1) > shared:
+            if min(longest_prefix(ids, prefilling)[1], len(ids) - 1) > shared:
                 kept.append(r)  # holds a slot: it is counted against free_slots above
                 continue
             cost = len(ids) - shared
@@ -108,7 +108,7 @@ class Scheduler:
             plan.prefill.append(r)
             if shared > 0:
                 plan.shares.append((donor, r, shared))
-            prefilling.append(r.prompt_ids)
+            prefilling[tuple(r.prompt_ids)] = r
         kept.extend(self.waiting)
         self.waiting = kept
         return plan
@@ -174,7 +174,7 @@ def common_prefix(a: list[int], b: list[int] | tuple[int, ...]) -> int:
 
 
 def longest_prefix(ids: list[int], donors: dict[tuple[int, ...], Request]) -> tuple[Request | None, int]:
-    """The donor whose cached tokens share the longest prefix with ``ids``, and that length (0: none)."""
+    """The request whose tokens (the keys) share the longest prefix with ``ids``, and that length (0: none)."""
     best, length = None, 0
     for cached, donor in donors.items():
         n = common_prefix(ids, cached)

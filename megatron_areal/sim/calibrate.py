@@ -189,7 +189,7 @@ def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
     discard = 0.0
     if "rollout/filtered_groups" in scalars:  # cumulative counts: thrown away over the same steady steps
         steps = len(scalars["perf/step_time_s"])
-        first = sim.warmup_steps if steps > sim.warmup_steps else 0
+        first = steps - len(window["perf/step_time_s"])  # the steps ``steady`` left out
         thrown = sum(_since(scalars.get(tag, []), first)
                      for tag in ("rollout/filtered_groups", "rollout/dropped_stale"))
         trained = sc.batch_size * (steps - first)
