@@ -168,8 +168,8 @@ def _truncated_mean(mean: float, sigma: float, limit: int) -> float:
 
 def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
     """``sc`` with the run's own response and prompt lengths (over the steady steps: a policy that learns
-    to answer shorter changes them as it trains) and its share of discarded groups (where the scalars
-    have them)."""
+    to answer shorter changes them as it trains) and its share of discarded generation (where the
+    scalars have it)."""
     sim = sc.sim
     window = steady(scalars, sim.warmup_steps)
     # rollout/response_len_mean counts the tokens the policy generated per sample (per agent episode),
@@ -187,7 +187,14 @@ def run_workload(sc: Scenario, scalars: dict[str, list[float]]) -> Scenario:
         if ratio > 1.0:  # prompt + response over response tokens of the same trained batches
             sim = dataclasses.replace(sim, prompt_mean_tokens=max(1.0, target * (ratio - 1)))
     discard = 0.0
-    if "rollout/filtered_groups" in scalars:  # cumulative counts: thrown away over the same steady steps
+    if "rollout/response_len_mean" in window:
+        # The share of the generated tokens no trainer step used (filtered, stale, still in flight): the
+        # generation work the simulator must add. Counted in tokens, not groups: the groups thrown away
+        # are not as long as the trained ones (all-correct answers are short).
+        generated = sum(r * t for r, t in zip(window["perf/gen_tokens_per_s"], window["perf/step_time_s"]))
+        trained = sc.batch_size * sc.group_size * sum(window["rollout/response_len_mean"])
+        discard = min(0.95, max(0.0, 1 - trained / max(generated, 1e-9)))
+    elif "rollout/filtered_groups" in scalars:  # cumulative counts: thrown away over the same steady steps
         steps = len(scalars["perf/step_time_s"])
         first = steps - len(window["perf/step_time_s"])  # the steps ``steady`` left out
         thrown = sum(_since(scalars.get(tag, []), first)

@@ -12,7 +12,9 @@ store all experts. A decode step of ``n`` sequences reads the shared weights and
 tokens were routed to: with uniform routing of ``k`` of ``E`` experts, a share
 ``1 - (1 - k/E)^n`` of them (``n`` is fixed within a stretch, so the closed form holds). The trainer
 splits experts over expert parallelism and moves every token's hidden state to its experts and back
-in each MoE layer (all-to-all), three passes per step: the proximal forward, forward and backward.
+in each MoE layer (all-to-all), in each pass of a step: forward and backward, and the proximal
+forward when the step has several mini-batches (with one, the training forward yields the proximal
+logprobs and the trainer skips it: actor/actor.py ``ppo_update``).
 """
 from __future__ import annotations
 
@@ -147,20 +149,22 @@ class CostModel:
         dp = max(1, n_gpus // (tp * pp))
         return trainer_state_bytes(self.model, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
 
-    def alltoall_bytes_per_gpu(self, tokens: float, n_gpus: int, ep: int) -> float:
+    def alltoall_bytes_per_gpu(self, tokens: float, n_gpus: int, ep: int, n_minibatches: int = 1) -> float:
         """Bytes one trainer GPU sends to other EP ranks in one step: its share of the tokens (each
         pipeline stage sees every token for its own layers) times each token's MoE dispatch and
-        combine, in the proximal forward, the forward and the backward; the ``1/ep`` of the copies
-        routed to its own experts stay put. 0 for a dense model or EP 1."""
+        combine, in the forward, the backward and (several mini-batches) the proximal forward; the
+        ``1/ep`` of the copies routed to its own experts stay put. 0 for a dense model or EP 1."""
         if ep <= 1:
             return 0.0
-        return 3 * tokens * dispatch_bytes_per_token(self.model) / n_gpus * (ep - 1) / ep
+        passes = 3 if n_minibatches > 1 else 2
+        return passes * tokens * dispatch_bytes_per_token(self.model) / n_gpus * (ep - 1) / ep
 
-    def alltoall_time(self, tokens: float, n_gpus: int, ep: int, etp: int = 1, gpus_per_node: int = 8) -> float:
+    def alltoall_time(self, tokens: float, n_gpus: int, ep: int, etp: int = 1, gpus_per_node: int = 8,
+                      n_minibatches: int = 1) -> float:
         """The step's all-to-all, not overlapped with compute. EP ranks are ``etp`` apart (Megatron's
         rank order), so the EP peers on the same node go over NVLink (half its bidirectional figure
         each way) and the others over the NIC, at the same time."""
-        sent = self.alltoall_bytes_per_gpu(tokens, n_gpus, ep)
+        sent = self.alltoall_bytes_per_gpu(tokens, n_gpus, ep, n_minibatches)
         if sent == 0.0:
             return 0.0
         in_node = min(ep, max(1, gpus_per_node // etp))
@@ -171,13 +175,15 @@ class CostModel:
 
     def train_time(self, tokens: float, sq_sum: float, n_gpus: int, tp: int, pp: int, n_minibatches: int,
                    max_tokens_per_mb: int, ep: int = 1, etp: int = 1, gpus_per_node: int = 8) -> float:
-        """One PPO step: a no-grad forward for the proximal logprobs, then forward+backward of every
-        token once, split into ``n_minibatches`` optimizer steps. FLOPs follow the active parameters;
-        MoE layers add their all-to-all (``alltoall_time``)."""
+        """One PPO step: forward+backward of every token once (6 FLOPs a parameter a token), split into
+        ``n_minibatches`` optimizer steps, after a no-grad forward for the proximal logprobs (2 more)
+        when there are several. FLOPs follow the active parameters; MoE layers add their all-to-all
+        (``alltoall_time``)."""
         m = self.model
-        flops = 8 * matmul_params(m) * tokens + 8 * m.num_layers * attention_width(m) * sq_sum
+        per_token = 8 if n_minibatches > 1 else 6
+        flops = per_token * (matmul_params(m) * tokens + m.num_layers * attention_width(m) * sq_sum)
         compute = flops / (n_gpus * self.gpu.bf16_flops * self.sim.train_mfu)
-        compute += self.alltoall_time(tokens, n_gpus, ep, etp, gpus_per_node)
+        compute += self.alltoall_time(tokens, n_gpus, ep, etp, gpus_per_node, n_minibatches)
         dp = max(1, n_gpus // (tp * pp))
         mbs = max(1, math.ceil(tokens / (n_minibatches * dp * max_tokens_per_mb)))
         compute *= 1 + (pp - 1) / mbs  # pipeline fill and drain of each minibatch

@@ -141,7 +141,8 @@ class Engine:
         t = self.costs.train_time(tokens, sum(g.sq_sum for g in batch), sc.train_gpus, sc.train_tp,
                                   sc.train_pp, sc.n_minibatches, sc.max_tokens_per_mb, ep=sc.train_ep,
                                   etp=sc.train_etp, gpus_per_node=sc.gpus_per_node)
-        self.result.alltoall_bytes_per_gpu += self.costs.alltoall_bytes_per_gpu(tokens, sc.train_gpus, sc.train_ep)
+        self.result.alltoall_bytes_per_gpu += self.costs.alltoall_bytes_per_gpu(
+            tokens, sc.train_gpus, sc.train_ep, sc.n_minibatches)
         self.trainer_busy = True
         self.timeline.add(TRAINER, self.now, self.now + t, "train")
         self.result.record_batch(version, batch, tokens)
