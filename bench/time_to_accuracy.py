@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps of every run (0: the config's train.steps)")
     parser.add_argument("--sweep", action="store_true", help="give the plain loop the best of a small sweep")
     parser.add_argument("--sweep-lr", type=float, nargs="+", default=[1e-5, 2e-5], help="learning rates to sweep")
-    parser.add_argument("--sweep-batch", type=int, nargs="+", default=[3, 8], help="prompts per step to sweep")
+    parser.add_argument("--sweep-batch", type=int, nargs="+", default=[1, 3], help="prompts per step to sweep")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep run directories and outputs here; runs finished there earlier are read back")
