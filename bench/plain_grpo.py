@@ -10,7 +10,10 @@ Each step takes the next ``batch`` training prompts, generates ``group`` answers
 job, normalises rewards within each group (groups whose rewards are all equal carry no signal and
 are skipped), and takes one token-level PPO-clip step (one update per batch, so the ratio is 1 and
 the clip never binds) with AdamW and gradient clipping. Held-out accuracy is greedy decoding of the
-main job's 200 fixed problems with the main job's chat template and answer check.
+main job's 200 fixed problems with the main job's chat template and answer check. It computes in the
+main job's ``model.dtype`` as the main job would on this CPU (``compute_dtype.runnable_dtype``: bf16
+only where the CPU multiplies bf16 natively), bf16 as a user writes it: ``torch.autocast`` over fp32
+weights and an fp32 AdamW.
 
 Held-out accuracy is measured before the first step and after the last (and every ``--eval-every``
 steps). ``--out FILE`` writes the evaluation points, the settings and the whole command's wall time
@@ -21,6 +24,7 @@ as JSON. Used by ``bench/time_to_accuracy.py``; runs alone too:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import time
@@ -89,8 +93,15 @@ def response_mask(out: torch.Tensor, width: int, eos: int) -> torch.Tensor:
     return mask
 
 
+def autocast(dtype: torch.dtype):
+    """Forward passes in ``dtype`` over fp32 weights (mixed precision), or as they are for fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=dtype)
+
+
 def grpo_step(model, optimizer, out: torch.Tensor, prompt_mask: torch.Tensor, rewards: torch.Tensor, group: int,
-              eos: int, eps_clip: float = 0.2, clip_grad: float = 1.0) -> int:
+              eos: int, eps_clip: float = 0.2, clip_grad: float = 1.0, dtype: torch.dtype = torch.float32) -> int:
     """One token-level PPO-clip update on the groups whose rewards differ; returns the trained samples."""
     r = rewards.view(-1, group)
     keep = (r.max(1).values > r.min(1).values).repeat_interleave(group)
@@ -102,7 +113,8 @@ def grpo_step(model, optimizer, out: torch.Tensor, prompt_mask: torch.Tensor, re
     attn = torch.ones_like(seqs)
     attn[:, :width] = prompt_mask[keep]
     model.train()
-    logits = model(input_ids=seqs, attention_mask=attn).logits[:, :-1].float()
+    with autocast(dtype):
+        logits = model(input_ids=seqs, attention_mask=attn).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
     ratio = torch.exp(logp - logp.detach())
     a = adv[:, None]
@@ -118,12 +130,14 @@ def grpo_step(model, optimizer, out: torch.Tensor, prompt_mask: torch.Tensor, re
 def run(args: argparse.Namespace, log=logger.info) -> list[dict]:
     """``args.steps`` GRPO steps; held-out accuracy at step 0, every ``eval_every`` steps and at the end.
     Returns the evaluation points (``train_s``: seconds of training steps before it, evaluations excluded)."""
+    from megatron_areal.compute_dtype import runnable_dtype
     from megatron_areal.data.stream import PromptStream
     from megatron_areal.data.tasks import load_task
     from megatron_areal.reward.arithmetic import verify_number
 
     torch.manual_seed(args.seed)
     model, tokenizer = load(args.model, args.threads)
+    dtype = runnable_dtype(getattr(torch, args.dtype), torch.device("cpu"), "--dtype")
     held_out = load_task(args.eval_task, size=args.eval_size or None)
     prompts_in_order = PromptStream(load_task(args.train_task, args.data_seed, args.train_size or None),
                                     seed=args.data_seed)
@@ -132,7 +146,8 @@ def run(args: argparse.Namespace, log=logger.info) -> list[dict]:
 
     def evaluate() -> None:
         t = time.monotonic()
-        acc = accuracy(model, tokenizer, held_out, max_new_tokens=args.max_new_tokens)
+        with autocast(dtype):
+            acc = accuracy(model, tokenizer, held_out, max_new_tokens=args.max_new_tokens)
         points.append({"step": step, "train_s": trained_s, "accuracy": acc, "eval_s": time.monotonic() - t})
         log(f"plain step {step:3d}  train {trained_s:6.0f} s  held-out {100 * acc:.1f}%")
 
@@ -141,13 +156,14 @@ def run(args: argparse.Namespace, log=logger.info) -> list[dict]:
         t = time.monotonic()
         prompts = [next(prompts_in_order) for _ in range(args.batch)]
         model.eval()
-        out, prompt_mask = generate(model, tokenizer, encode(tokenizer, prompts), n=args.group,
-                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        with autocast(dtype):
+            out, prompt_mask = generate(model, tokenizer, encode(tokenizer, prompts), n=args.group,
+                                        max_new_tokens=args.max_new_tokens, temperature=args.temperature)
         texts = replies(tokenizer, out, prompt_mask.shape[1])
         rewards = torch.tensor([verify_number(x, prompts[i // args.group].answer).reward for i, x in enumerate(texts)])
         generated = time.monotonic()
         kept = grpo_step(model, optimizer, out, prompt_mask, rewards, args.group, tokenizer.eos_token_id,
-                         eps_clip=args.eps_clip, clip_grad=args.clip_grad)
+                         eps_clip=args.eps_clip, clip_grad=args.clip_grad, dtype=dtype)
         step += 1
         trained_s += time.monotonic() - t
         log(f"plain step {step:3d}  generate {generated - t:5.1f} s, train {time.monotonic() - generated:5.1f} s on "
@@ -171,6 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps (train.steps)")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (rollout.temperature)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="response length (rollout.max_new_tokens)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="compute dtype (model.dtype; bf16 falls back to fp32 where the CPU has no native bf16)")
     parser.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: end only)")
     parser.add_argument("override", nargs="*", help="key=value overrides of the main job's config, as for train")
 
@@ -182,7 +200,8 @@ def fill_from_config(args: argparse.Namespace) -> argparse.Namespace:
     cfg = load_config(str(args.config), args.override)
     main_job = {"seed": cfg.train.seed, "data_seed": cfg.data.seed, "batch": cfg.rollout.batch_size,
                 "group": cfg.rollout.group_size, "lr": cfg.optimizer.lr, "steps": cfg.train.steps,
-                "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens}
+                "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,
+                "dtype": "float32" if cfg.model.dtype == "auto" else cfg.model.dtype}
     for key, value in main_job.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -192,7 +211,7 @@ def fill_from_config(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-SETTINGS = ("lr", "batch", "group", "steps", "temperature", "max_new_tokens", "seed", "data_seed", "threads")
+SETTINGS = ("lr", "batch", "group", "steps", "temperature", "max_new_tokens", "seed", "data_seed", "threads", "dtype")
 
 
 def main() -> None:

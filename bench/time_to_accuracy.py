@@ -5,10 +5,10 @@ Arm ``ours`` is the main job, ``megatron-areal train CONFIG`` (default: the READ
 transformers ``generate`` and a token-level PPO-clip step in one synchronous loop on every core,
 given the main job's own settings from the same config (learning rate, prompts x samples per step,
 temperature, response length, steps, clip, the training prompts in the same order, the same
-held-out problems, template and answer check). With ``--sweep`` the plain loop first runs each
-learning rate x prompts per step of a small grid once and keeps the setting that gained the most
-per minute (the table is printed); the plain arm's runs then use it, its first run being the
-sweep's run of that setting (same seed, same command).
+held-out problems, template and answer check, the compute dtype). With ``--sweep`` the plain loop
+first runs each learning rate x prompts per step (x compute dtype, ``--sweep-dtype``) of a small grid
+once and keeps the setting that gained the most per minute (the table is printed); the plain arm's
+runs then use it, its first run being the sweep's run of that setting (same seed, same command).
 
 Each run's gain per minute is its held-out accuracy after the last step minus before the first, in
 points, over the whole command's wall time in minutes: start-up, model loading and both
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -106,14 +107,14 @@ def read_back(record: Path) -> Run | None:
 
 
 def run_plain(args: argparse.Namespace, seed: int, root: Path, lr: float | None = None,
-              batch: int | None = None, label: str = "plain") -> Run:
-    out = root / f"{label}-{seed}-{lr}-{batch}.json"
+              batch: int | None = None, dtype: str | None = None, label: str = "plain") -> Run:
+    out = root / f"{label}-{seed}-{lr}-{batch}-{dtype}.json"
     record = out.with_suffix(".run.json")
     if (earlier := read_back(record)) is not None:
         return earlier
     cmd = [sys.executable, str(PLAIN), "--config", str(args.config), "--seed", str(seed), "--data-seed", str(seed),
            "--out", str(out)]
-    for flag, value in (("--steps", args.steps or None), ("--lr", lr), ("--batch", batch)):
+    for flag, value in (("--steps", args.steps or None), ("--lr", lr), ("--batch", batch), ("--dtype", dtype)):
         if value is not None:
             cmd += [flag, str(value)]
     cmd += args.override  # the same config changes as the main job's (a smaller held-out set, say)
@@ -130,18 +131,21 @@ def run_plain(args: argparse.Namespace, seed: int, root: Path, lr: float | None 
     return run
 
 
-def sweep(args: argparse.Namespace, root: Path) -> tuple[float, int, Run]:
-    """Each learning rate x prompts per step of the grid once (seed ``--seed``); the best gain per minute wins.
-
-    The winner's run is the plain arm's first run: the same command with the same seed."""
+def sweep(args: argparse.Namespace, root: Path) -> tuple[tuple[float, int, str | None], Run]:
+    """Each learning rate x prompts per step x compute dtype of the grid once (seed ``--seed``); the best gain
+    per minute wins. The winner's run is the plain arm's first run: the same command with the same seed."""
     runs = {}
-    for lr in args.sweep_lr:
-        for batch in args.sweep_batch:
-            runs[(lr, batch)] = r = run_plain(args, args.seed, root, lr, batch, label="sweep")
-            print(f"sweep lr {lr:g}, {batch} prompts per step:\n{r.line()}", flush=True)
+    for setting in itertools.product(args.sweep_lr, args.sweep_batch, args.sweep_dtype or [None]):
+        runs[setting] = r = run_plain(args, args.seed, root, *setting, label="sweep")
+        print(f"sweep {describe(setting)}:\n{r.line()}", flush=True)
     best = max(runs, key=lambda k: runs[k].gain_per_min)
-    print(f"sweep: the plain loop gains most per minute with lr {best[0]:g}, {best[1]} prompts per step", flush=True)
-    return best[0], best[1], dataclasses.replace(runs[best], arm="plain")
+    print(f"sweep: the plain loop gains most per minute with {describe(best)}", flush=True)
+    return best, dataclasses.replace(runs[best], arm="plain")
+
+
+def describe(setting: tuple[float, int, str | None]) -> str:
+    lr, batch, dtype = setting
+    return f"lr {lr:g}, {batch} prompts per step" + (f", {dtype}" if dtype else "")
 
 
 def spread(ours: list[Run], plain: list[Run]) -> tuple[float, float, float]:
@@ -173,6 +177,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="give the plain loop the best of a small sweep")
     parser.add_argument("--sweep-lr", type=float, nargs="+", default=[1e-5, 2e-5], help="learning rates to sweep")
     parser.add_argument("--sweep-batch", type=int, nargs="+", default=[1, 3], help="prompts per step to sweep")
+    parser.add_argument("--sweep-dtype", nargs="+", default=None, choices=("float32", "bfloat16"),
+                        help="compute dtypes to sweep (default: the main job's model.dtype only)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep run directories and outputs here; runs finished there earlier are read back")
@@ -185,13 +191,13 @@ def main() -> None:
     from megatron_areal.config import load_config
 
     steps = args.steps or load_config(str(args.config), args.override).train.steps
-    lr, batch, swept = sweep(args, root) if args.sweep else (None, None, None)
+    setting, swept = sweep(args, root) if args.sweep else ((None, None, None), None)
     ours, plain = [], []
     for i in range(args.runs):
         seed = args.seed + i
         ours.append(run_ours(args, seed, root))
         print(ours[-1].line(), flush=True)
-        plain.append(swept if i == 0 and swept else run_plain(args, seed, root, lr, batch))
+        plain.append(swept if i == 0 and swept else run_plain(args, seed, root, *setting))
         print(plain[-1].line(), flush=True)
     print("\nruns (held-out accuracy before -> after, the whole command's wall time):")
     for r in ours + plain:
@@ -203,8 +209,8 @@ def main() -> None:
     if problems:
         raise SystemExit("no RESULT: " + "; ".join(problems))
     mean, low, high = spread(ours, plain)
-    setting = f"lr {lr:g}, {batch} prompts per step (sweep)" if args.sweep else "the main job's settings"
-    print(f"plain loop with {setting}; {args.runs} runs per arm, {steps} steps each")
+    chosen = f"{describe(setting)} (sweep)" if args.sweep else "the main job's settings"
+    print(f"plain loop with {chosen}; {args.runs} runs per arm, {steps} steps each")
     print(f"RESULT gain_per_minute_vs_plain {mean:.2f} (min {low:.2f}, max {high:.2f} over "
           f"{len(ours)} x {len(plain)} run pairs)")
 
