@@ -4,7 +4,8 @@
 - bf16 weights with the master kept as remainders: the master follows torch's fp32 ``AdamW`` to within
   its last bit a step, and the weight is the master rounded to nearest;
 - stochastic rounding: weights and bf16 moments equal torch's fp32 values in the mean, where
-  nearest rounding would not move them;
+  nearest rounding would not move them, with bf16 or fp32 moments; its noise is uniform in every bit,
+  however many elements a draw serves, and none is drawn where nothing is bf16;
 - in Megatron's distributed optimizer: no fp32 state at all with bf16 gradients and moments (8 bytes a
   parameter where the default holds 16), a PPO step moves the weights as the default optimizer does,
   and a checkpoint resumes bit for bit.
@@ -17,7 +18,7 @@ import pytest
 import torch
 from test_actor_parallel import ARCHS, _trajectories
 
-from megatron_areal.actor.precision_adam import PrecisionAwareAdam, join_master, split_master_
+from megatron_areal.actor.precision_adam import PrecisionAwareAdam, _noise, join_master, split_master_
 from megatron_areal.compute_dtype import BF16_ANYWAY_ENV
 from megatron_areal.convert.spawn import WorkerPool
 
@@ -78,7 +79,8 @@ def test_split_and_join_keep_the_master_but_its_last_bit():
             assert bool((distance <= spacing / 2 * (1 + 2.0 ** -15)).all())  # and the nearest, to its last bit
 
 
-def test_stochastic_rounding_is_unbiased_where_nearest_is_stuck():
+@pytest.mark.parametrize("moments", [torch.bfloat16, torch.float32])
+def test_stochastic_rounding_is_unbiased_where_nearest_is_stuck(moments):
     n = 400_000
     start = torch.full((n,), 0.05)
     grads = [torch.full((n,), 0.25 + 0.125 * i) for i in range(4)]  # exact in bf16
@@ -88,8 +90,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_is_stuck():
     out = {}
     for rounding in ("nearest", "stochastic"):
         w = torch.nn.Parameter(start.bfloat16())
-        opt = PrecisionAwareAdam([w], lr=1e-5, rounding=rounding, exp_avg_dtype=torch.bfloat16,
-                                 exp_avg_sq_dtype=torch.bfloat16)
+        opt = PrecisionAwareAdam([w], lr=1e-5, rounding=rounding, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
         _steps(opt, [w], grads, "decoupled_grad")
         out[rounding] = (w.detach().double(), opt.state[w])
     spacing = 2.0 ** -12  # bf16 at 0.05; four steps of 1e-5 are a sixth of it
@@ -100,8 +101,29 @@ def test_stochastic_rounding_is_unbiased_where_nearest_is_stuck():
     assert abs(float(weights.mean()) - float(ref.detach()[0])) < 0.02 * spacing
     for key in ("exp_avg", "exp_avg_sq"):
         expected = float(reference.state[ref][key][0])
-        assert state[key].dtype == torch.bfloat16
+        assert state[key].dtype == moments
         assert abs(float(state[key].double().mean()) - expected) < 1e-3 * abs(expected)
+
+
+@pytest.mark.parametrize("widths", [(17,), (16, 16), (17, 16, 16)])
+def test_noise_is_uniform_in_every_bit_of_every_field(widths):
+    n = 300_001  # not a multiple of the elements a draw serves
+    fields = _noise(n, widths, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert [(f.shape, f.dtype) for f in fields] == [((n,), torch.int32)] * len(widths)
+    for field, width in zip(fields, widths, strict=True):
+        assert int(field.min()) >= 0 and int(field.max()) < 1 << width
+        ones = torch.stack([field.bitwise_right_shift(b).bitwise_and(1) for b in range(width)]).double().mean(1)
+        assert bool(((ones - 0.5).abs() < 0.005).all()), ones  # 5 standard errors at this n
+        for third in field.tensor_split(3):  # the parts cut from different bits of the same draws
+            assert abs(float(third.double().mean()) / ((1 << width) - 1) - 0.5) < 0.005
+
+
+def test_no_noise_is_drawn_where_nothing_is_rounded_to_bf16():
+    w = torch.nn.Parameter(torch.randn(1000))
+    opt = PrecisionAwareAdam([w], lr=1e-3, rounding="stochastic")  # fp32 weight and moments
+    before = opt.generator.get_state()
+    _steps(opt, [w], [torch.randn(1000)], "decoupled_grad")
+    assert torch.equal(opt.generator.get_state(), before)
 
 
 def test_state_keeps_its_dtypes_through_a_state_dict_and_the_master_through_a_checkpoint():

@@ -97,13 +97,34 @@ def _store_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor | None) ->
         dst.copy_(src)
 
 
-def _noise(n: int, generator: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Uniform integers of 17, 16 and 16 bits (int32) for ``n`` elements, cut from one 63-bit draw each
-    (one int64 draw costs about what one bounded 16-bit draw does): the 17 from its high 31 bits, the two
-    16s from its low 32, each cut in int32 from the draw's own memory (a quarter less time than in int64)."""
-    bits = torch.empty(n, dtype=torch.int64, device=device).random_(generator=generator).view(torch.int32)
-    low, high = (bits[0::2], bits[1::2]) if sys.byteorder == "little" else (bits[1::2], bits[0::2])
-    return high & 0x1FFFF, low & _LOW, low.bitwise_right_shift(16).bitwise_and_(_LOW)
+def _noise(n: int, widths: tuple[int, ...], generator: torch.Generator,
+           device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Uniform integers (int32) of each of ``widths`` bits for ``n`` elements, cut from 63-bit draws. A draw costs
+    about what one bounded 16-bit draw does however many of its bits are used, so one draw serves as many
+    elements as its 63 bits hold: three for a bf16 weight's 17 bits alone (fp32 moments), one for a weight's and
+    two bf16 moments' 49, cut in int32 from the draw's own halves (a quarter less time than in int64)."""
+    per_element = sum(widths)
+    per_draw = 63 // per_element
+    draws = torch.empty(-(-n // per_draw), dtype=torch.int64, device=device).random_(generator=generator)
+    if per_draw > 1:  # element i takes bits [k * per_element, (k + 1) * per_element) of draw i % len(draws)
+        draws = torch.cat([draws.bitwise_right_shift(k * per_element) for k in range(per_draw)])[:n]
+        return _fields(draws, widths)
+    # one draw an element: the first field from its high half (31 random bits), the others from its low half (32)
+    if per_element - widths[0] > 32:
+        raise ValueError(f"noise fields {widths} do not fit one 63-bit draw")
+    words = draws.view(torch.int32)
+    low, high = (words[0::2], words[1::2]) if sys.byteorder == "little" else (words[1::2], words[0::2])
+    return _fields(high, widths[:1]) + _fields(low, widths[1:])
+
+
+def _fields(bits: torch.Tensor, widths: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Consecutive fields of ``widths`` bits from the low end of ``bits``, as int32."""
+    fields, offset = [], 0
+    for width in widths:
+        shifted = bits.bitwise_right_shift(offset) if offset else bits
+        fields.append(shifted.bitwise_and((1 << width) - 1).to(torch.int32))
+        offset += width
+    return tuple(fields)
 
 
 class PrecisionAwareAdam(torch.optim.AdamW):
@@ -239,8 +260,16 @@ class PrecisionAwareAdam(torch.optim.AdamW):
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
             master.addcdiv_(m, denom, value=-step_size)
-            noise = _noise(g.numel(), self.generator, g.device) if self.rounding == "stochastic" else (None,) * 3
-            _store_(c["m"], m, noise[1])
-            _store_(c["v"], v, noise[2])
+            noise = self._noise(g.numel(), {"r": 17, "m": 16, "v": 16}, c)
+            _store_(c["m"], m, noise.get("m"))
+            _store_(c["v"], v, noise.get("v"))
             if "r" in c:
-                split_master_(master, c["p"], c["r"], noise[0])
+                split_master_(master, c["p"], c["r"], noise.get("r"))
+
+    def _noise(self, n: int, widths: dict[str, int], chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stochastic rounding's noise for the chunk's bf16 targets only (the remainder is the bf16 weight's);
+        none when rounding to nearest."""
+        needed = {k: w for k, w in widths.items() if k in chunk and (k == "r" or chunk[k].dtype == torch.bfloat16)}
+        if self.rounding != "stochastic" or not needed:
+            return {}
+        return dict(zip(needed, _noise(n, tuple(needed.values()), self.generator, chunk["g"].device), strict=True))
