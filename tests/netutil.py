@@ -8,7 +8,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from megatron_areal.netutil import free_port
+from megatron_areal.netutil import free_port, port_free
+
+
+def free_port_range(n: int) -> int:
+    """The first of ``n`` consecutive ports that were all free a moment ago: a fleet on Slurm takes
+    ``server.count x cluster.server_port_stride`` ports from ``server.base_port`` as they are (only the local
+    launcher moves busy ones), so a free base alone can put a later server on a port in use."""
+    while True:
+        base = free_port()
+        if base + n <= 65536 and all(port_free("127.0.0.1", p) for p in range(base, base + n)):
+            return base
 
 
 def free_ports(n: int) -> list[int]:

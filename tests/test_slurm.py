@@ -12,7 +12,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from netutil import free_ports
+from netutil import free_port_range
+
+from megatron_areal.config import load_config
+from megatron_areal.netutil import free_port
 
 pytestmark = [
     pytest.mark.slurm,
@@ -33,7 +36,10 @@ def cluster() -> None:
 
 
 def submit(run_dir: Path, *overrides: str) -> str:
-    base, master = free_ports(2)
+    cfg = load_config(ROOT / "configs/train_tiny.yaml", list(overrides))
+    span = cfg.server.count * cfg.cluster.server_port_stride
+    base = free_port_range(span)
+    master = free_port(avoid=range(base, base + span))
     cmd = ["sbatch", "--parsable", f"--output={run_dir.parent}/slurm-%j.log", "slurm/train_tiny.sh",
            f"train.run_dir={run_dir}", f"train.steps={STEPS}", f"server.base_port={base}",
            f"cluster.master_port={master}", *overrides]
