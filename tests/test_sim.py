@@ -240,8 +240,12 @@ def test_calibration_of_a_prompt_heavy_run_that_discards_groups(tmp_path):
 
 
 @pytest.mark.parametrize("run, overrides", [
-    ("smollm2_arith_run", []),  # as configured: one prompt a step, a quiet machine, steps of 6-46 s
-    ("smollm2_arith_batch3_run", ["rollout.batch_size=3"]),  # three prompts a step, a loaded machine: 30-140 s
+    # 2-core AMD EPYC (AVX2, fp32), eta 2: one prompt a step on a quiet machine (steps of 6-46 s), and three
+    # prompts a step on a loaded one (30-140 s)
+    ("smollm2_arith_run", ["staleness.eta=2"]),
+    ("smollm2_arith_batch3_run", ["staleness.eta=2", "rollout.batch_size=3"]),
+    # 2-core Xeon with AMX (native bf16), as configured (eta 4): steps of 3.6-17 s
+    ("smollm2_arith_amx_run", []),
 ])
 def test_calibration_reproduces_a_real_main_job_on_cpu(run, overrides):
     """The README's main job (configs/smollm2_arith.yaml: two one-thread servers and a one-thread trainer on

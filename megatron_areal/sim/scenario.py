@@ -73,10 +73,12 @@ def split_gpus(total: int, gen_fraction: float, server_tp: int, train_unit: int)
 
 
 # One single-threaded process of a CPU run (cluster.gpus_per_node = 0) as the simulator's device. Nominal
-# figures of one modern x86 core (DDR5 bandwidth one core draws, fp32 FMA peak of two 256-bit units at
-# ~3 GHz); calibration against the run (``--calibrate``) refits the overheads and MFU that carry the real
-# speed, so these only shape the model. Processes talk over loopback (weight pushes over gloo/TCP).
-CPU_PROCESS = GPUSpec(name="CPU process", hbm_bytes=16 * GB, hbm_bw=10 * GB, bf16_flops=100e9,
+# figures of one modern x86 core: the DDR5 bandwidth one core draws, and a matmul peak of 1 TFLOP/s (one
+# core's AMX bf16 matmul measured 1.1 TFLOP/s on a Xeon; fp32 on AVX2 or AVX-512 does 0.1-0.2, so a calibrated
+# fp32 run fits an MFU near a tenth of an AMX run's). Calibration against the run (``--calibrate``) refits the
+# overheads and MFU that carry the real speed, so these only shape the model; the peak must not be below what
+# a core does (the fitted MFU is bounded by 1). Processes talk over loopback (weight pushes over gloo/TCP).
+CPU_PROCESS = GPUSpec(name="CPU process", hbm_bytes=16 * GB, hbm_bw=10 * GB, bf16_flops=1e12,
                       nvlink_bw=5 * GB, net_bw=5 * GB)
 
 
