@@ -244,7 +244,7 @@ def test_calibration_of_a_prompt_heavy_run_that_discards_groups(tmp_path):
     # prompts a step on a loaded one (30-140 s)
     ("smollm2_arith_run", ["staleness.eta=2"]),
     ("smollm2_arith_batch3_run", ["staleness.eta=2", "rollout.batch_size=3"]),
-    # 2-core Xeon with AMX (native bf16), as configured (eta 4): steps of 3.6-17 s
+    # 2-core Xeon with AMX (native bf16), as configured: steps of 4-15 s
     ("smollm2_arith_amx_run", []),
 ])
 def test_calibration_reproduces_a_real_main_job_on_cpu(run, overrides):
