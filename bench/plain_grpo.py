@@ -93,6 +93,27 @@ def response_mask(out: torch.Tensor, width: int, eos: int) -> torch.Tensor:
     return mask
 
 
+def trained_sequences(out: torch.Tensor, width: int, eos: int) -> list[list[int]]:
+    """Each row of ``out`` (prompt of ``width`` tokens, then the reply) cut after the reply tokens ``response_mask``
+    trains: up to and including the first eos."""
+    kept = response_mask(out, width, eos)[:, width:].sum(1).long().tolist()
+    return [row[:width + n] for row, n in zip(out.tolist(), kept, strict=True)]
+
+
+@torch.no_grad()
+def token_logprobs(model, sequences: list[list[int]], temperature: float = 1.0,
+                   dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Each sequence's teacher-forced logprob of its tokens 1..n under ``model`` at ``temperature``, one at a time."""
+    model.eval()
+    out = []
+    for seq in sequences:
+        ids = torch.tensor([seq])
+        with autocast(dtype):
+            logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1))
+    return out
+
+
 def autocast(dtype: torch.dtype):
     """Forward passes in ``dtype`` over fp32 weights (mixed precision), or as they are for fp32."""
     if dtype == torch.float32:

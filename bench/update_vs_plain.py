@@ -55,28 +55,6 @@ def informative_groups(model, tokenizer, cfg, n: int,
     return groups
 
 
-def replies(out: torch.Tensor, width: int, eos: int) -> list[list[int]]:
-    """Each sample up to and including its first eos (what both sides train on)."""
-    seqs = []
-    for row in out.tolist():
-        end = row.index(eos, width) + 1 if eos in row[width:] else len(row)
-        seqs.append(row[:end])
-    return seqs
-
-
-@torch.no_grad()
-def plain_logprobs(model, seqs: list[list[int]], width: int, temperature: float,
-                   dtype: torch.dtype) -> list[torch.Tensor]:
-    model.eval()
-    out = []
-    for s in seqs:
-        ids = torch.tensor([s])
-        with plain_grpo.autocast(dtype):
-            logits = model(input_ids=ids).logits[0, :-1].float() / temperature
-        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)[width - 1:])
-    return out
-
-
 def improvement(before: list[torch.Tensor], after: list[torch.Tensor], rewards: torch.Tensor) -> float:
     """sum_i A_i * (mean logprob after - before) over the group, A the group-normalised reward."""
     adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
@@ -117,14 +95,15 @@ def main() -> None:
     ratios = []
     print(f"compute dtype {str(dtype).removeprefix('torch.')}, lr {cfg.optimizer.lr:g}, temperature {temperature}")
     for k, (out, width, rewards) in enumerate(groups):
-        seqs = replies(out, width, eos)
+        seqs = plain_grpo.trained_sequences(out, width, eos)
         plain = copy.deepcopy(hf)
         optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.optimizer.lr, weight_decay=0.0)
-        plain_before = plain_logprobs(plain, seqs, width, temperature, dtype)
+        plain_before = [lp[width - 1:] for lp in plain_grpo.token_logprobs(plain, seqs, temperature, dtype)]
         plain_grpo.grpo_step(plain, optimizer, out, torch.ones(out.shape[0], width, dtype=torch.long), rewards,
                              cfg.rollout.group_size, eos, eps_clip=cfg.ppo.eps_clip, clip_grad=cfg.optimizer.clip_grad,
                              dtype=dtype)
-        plain_gain = improvement(plain_before, plain_logprobs(plain, seqs, width, temperature, dtype), rewards)
+        plain_after = [lp[width - 1:] for lp in plain_grpo.token_logprobs(plain, seqs, temperature, dtype)]
+        plain_gain = improvement(plain_before, plain_after, rewards)
         del plain, optimizer
 
         actor = Actor(arch, cfg.model, cfg.parallel, cfg.optimizer, cfg.ppo, parallel, seed=cfg.train.seed,

@@ -53,15 +53,6 @@ def _group(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return out, torch.ones(len(REWARDS), PROMPT, dtype=torch.long), torch.tensor(REWARDS)
 
 
-def _replies(out: torch.Tensor) -> list[list[int]]:
-    """Each sequence up to and including its first eos after the prompt (the tokens the plain loop trains)."""
-    seqs = []
-    for row in out.tolist():
-        end = row.index(EOS, PROMPT) + 1
-        seqs.append(row[:end])
-    return seqs
-
-
 def case_two_updates(hf_dir: str) -> dict[str, Any]:
     """Response-token logprobs (temperature 1) of both groups before and after two updates, per side."""
     from transformers import AutoModelForCausalLM
@@ -76,7 +67,7 @@ def case_two_updates(hf_dir: str) -> dict[str, Any]:
 
     plain = _plain_loop()
     batches = [_group(seed) for seed in (1, 2)]
-    seqs = [s for out, _, _ in batches for s in _replies(out)]
+    seqs = [s for out, _, _ in batches for s in plain.trained_sequences(out, PROMPT, EOS)]
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     groups = init_parallel(1, 1, seed=5, backend="gloo")
@@ -87,15 +78,8 @@ def case_two_updates(hf_dir: str) -> dict[str, Any]:
                   total_steps=2)
     load_hf_weights(actor.model, hf_dir, arch, 0, 1, optimizer=actor.optimizer)
 
-    @torch.no_grad()
     def plain_logprobs() -> list[torch.Tensor]:
-        hf.eval()
-        out = []
-        for s in seqs:
-            ids = torch.tensor([s])
-            logp = torch.log_softmax(hf(input_ids=ids).logits[0, :-1].float(), -1)
-            out.append(logp.gather(-1, ids[0, 1:, None]).squeeze(-1)[PROMPT - 1:])
-        return out
+        return [lp[PROMPT - 1:] for lp in plain.token_logprobs(hf, seqs)]
 
     def our_logprobs() -> list[torch.Tensor]:
         return [lp[PROMPT - 1:].float() for lp in actor.compute_logprobs(seqs, 1.0)]
