@@ -1,6 +1,7 @@
 """``RUN_DIR/trained.jsonl``: which prompts each training step consumed, for audits of a run.
 
-One line per step: ``{"step", "version", "prompts": [...], "staleness": [...]}``. On resume the
+One line per step: ``{"step", "version", "prompts": [...], "staleness": [...], "rewards": [...]}``
+(staleness and reward per trajectory, in batch order). On resume the
 file is cut back to the checkpoint's step, so that after a crash and a restart the ledger
 describes exactly the steps that the resumed model has been trained on: a prompt appears twice
 only if the run really trained it twice (next epoch), and never vanishes.
@@ -31,7 +32,9 @@ class TrainedLedger:
     def record(self, step: int, version: int, batch: list[Trajectory]) -> None:
         prompts = sorted({t.prompt_index for t in batch})
         staleness = [version - 1 - t.start_version for t in batch]
+        rewards = [t.reward for t in batch]
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "version": version, "prompts": prompts, "staleness": staleness}) + "\n")
+            f.write(json.dumps({"step": step, "version": version, "prompts": prompts, "staleness": staleness,
+                                "rewards": rewards}) + "\n")
             f.flush()
             os.fsync(f.fileno())
