@@ -86,8 +86,12 @@ def test_main_job_on_vllm_learns_and_readmits_a_killed_server(tmp_path: Path) ->
     story = run_story(rows, trainer_log)
     # Every server, the re-admitted one included, samples from the trainer's weights: the behaviour
     # logprobs equal the trainer's on every step (fp32 on both sides: about 1e-7).
-    mismatch = [r.get("train/rollout_mismatch_abs", 0.0) for r in rows]
+    assert all("train/rollout_mismatch_abs" in r for r in rows), f"a step without its mismatch:\n{story}"
+    mismatch = [r["train/rollout_mismatch_abs"] for r in rows]
     assert max(mismatch) < MAX_MISMATCH, f"a server's rollouts disagree with the trainer's weights:\n{story}"
+    # trained.jsonl records the rewards of the very batch each step trained on
+    ledger = [json.loads(line) for line in RunDir(str(run_dir)).trained.read_text().splitlines()]
+    assert [sum(e["rewards"]) / len(e["rewards"]) for e in ledger] == pytest.approx(rewards), story
     early, late = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
     assert late - early >= MARGIN, f"reward did not rise on vLLM: early {early:.2f}, late {late:.2f}:\n{story}"
 
