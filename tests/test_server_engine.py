@@ -264,6 +264,20 @@ def test_slots_bound_running_and_queue_bound_waiting(tiny_llama, engine_for) -> 
     assert engine.abort(None) == 6
 
 
+def test_an_admitted_request_leaves_the_queue_before_its_first_forward(tiny_llama, engine_for) -> None:
+    """A request the step admits counts as running, not also as waiting, while its prefill runs: else a
+    queue of one answers "queue full" to the next request while nothing waits (seen under load)."""
+    engine = engine_for(tiny_llama, max_running=1, max_queue=1)
+    engine.model = CountingModel(engine.model, delay_s=1.0)  # a slow prefill, however fast the machine
+    sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    engine.submit([("first", PROMPTS[0], sp)], lambda r: None)
+    while not engine.scheduler.running:
+        threading.Event().wait(0.005)
+    assert engine.load() == (1, 0)
+    assert engine.has_room(1)
+    engine.submit([("second", PROMPTS[1], sp)], lambda r: None)  # waits for the slot, no QueueFull
+
+
 def test_stop_rules_and_context_limit(tiny_llama, engine_for) -> None:
     engine = engine_for(tiny_llama, context_length=16)
     greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)

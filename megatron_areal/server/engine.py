@@ -235,6 +235,7 @@ class Engine:
         # From here every request of the step is in ``running``: whatever fails, the recovery finds
         # each of them, frees its slot and answers it.
         self.scheduler.running.extend(plan.prefill)
+        self._set_queued(len(self.scheduler.waiting))  # admitted: running now, no longer in the queue
         for donor, r, n in plan.shares:
             self.cache.copy_prefix(donor.slot, r.slot, n)
             r.cached = n
