@@ -278,6 +278,19 @@ def test_an_admitted_request_leaves_the_queue_before_its_first_forward(tiny_llam
     engine.submit([("second", PROMPTS[1], sp)], lambda r: None)  # waits for the slot, no QueueFull
 
 
+def test_a_weight_install_counts_each_queued_request_once(tiny_llama) -> None:
+    """Requests not yet taken in by the runner count once after an install (which retracts the running
+    ones to the queue): a count of two for one request would refuse the next with "queue full"."""
+    engine = Engine(tiny_llama, EngineOptions(max_running=1, max_queue=2, context_length=256))  # not started
+    try:
+        engine.submit([("waiting", PROMPTS[0], SamplingParams(max_new_tokens=2))], lambda r: None)
+        engine.update_from_disk(str(tiny_llama), "v1")
+        assert engine.load() == (0, 1)
+        assert engine.has_room(1)
+    finally:
+        engine.stop(timeout_s=1)
+
+
 def test_stop_rules_and_context_limit(tiny_llama, engine_for) -> None:
     engine = engine_for(tiny_llama, context_length=16)
     greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)

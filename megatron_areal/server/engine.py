@@ -109,7 +109,8 @@ class Engine:
         """
         self._stopping = True
         self._work.set()
-        self._thread.join(timeout=timeout_s)
+        if self._thread.ident is not None:  # an engine built but never started stops too
+            self._thread.join(timeout=timeout_s)
         if not self._lock.acquire(timeout=timeout_s):
             log.error("the model runner is still inside a step after %.0fs: stopping without it", timeout_s)
             return
@@ -397,7 +398,7 @@ class Engine:
     def _retract(self) -> None:
         for r in self.scheduler.retract_all():
             self._release(r)
-        self._set_queued(len(self.scheduler.waiting) + len(self._inbox))
+        self._set_queued(len(self.scheduler.waiting))  # _set_queued adds the inbox itself
 
     def _set_queued(self, n: int) -> None:
         with self._inbox_lock:
