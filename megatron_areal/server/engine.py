@@ -248,7 +248,6 @@ class Engine:
         failed = self._run(touched)
         finished = [r for r in touched if r.finish_reason is not None]
         self.scheduler.running = [r for r in self.scheduler.running if r.finish_reason is None]
-        self._set_queued(len(self.scheduler.waiting))
         for r in finished:
             self._release(r)
         # Everything failed: a bad request, or a model that cannot run at all? Known before anyone
