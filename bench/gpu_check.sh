@@ -44,7 +44,7 @@ from megatron_areal.actor.model import build_model, te_available
 from megatron_areal.actor.parallel import init_parallel
 from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.records import Trajectory
 
 cuda = torch.cuda.is_available()
 if not cuda:

@@ -228,7 +228,7 @@ def rl_batch(n: int, seed: int):
     """Main-job-shaped trajectories: groups of 8 samples of one prompt of 40-60 tokens, answers of 8-48.
     Every prompt begins with the same 26 tokens, as the main job's chat template gives them a common
     system header."""
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     rng = random.Random(seed)
     header = [rng.randrange(1000, 40000) for _ in range(26)]

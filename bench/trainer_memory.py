@@ -121,7 +121,7 @@ def main_job_batch(tokenizer, prompts, seed: int, n_prompts: int, group: int, ma
     """``n_prompts`` x ``group`` trajectories on real prompts, random outputs of 8..``max_new`` tokens
     (about half at the cap, as the main job's early steps), rewards split in every group."""
     from megatron_areal.data.template import encode_prompt
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     rng = random.Random(seed)
     out = []

@@ -76,7 +76,7 @@ def main() -> None:
     from megatron_areal.config import load_config
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     cfg = load_config(str(args.config), args.override)
     dtype = runnable_dtype(getattr(torch, "float32" if cfg.model.dtype == "auto" else cfg.model.dtype),

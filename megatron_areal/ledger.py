@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from megatron_areal.metrics import truncate_after
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.records import Trajectory
 
 
 class TrainedLedger:

@@ -45,7 +45,7 @@ TEMPERATURE = 0.7
 def _trajectories() -> list[Any]:
     """Two groups whose samples share their prompt (laid out once: parallel.share_prompts) and two
     samples of their own."""
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     g = torch.Generator().manual_seed(0)
     lengths = {0: 10, 1: 12, 2: 2, 3: 8}
@@ -134,7 +134,7 @@ def case_bad_inputs() -> dict[str, str]:
     import dataclasses
 
     from megatron_areal.actor.parallel import teardown_parallel
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     def message(fn) -> str:
         try:
@@ -300,7 +300,7 @@ def test_kl_reference_is_the_snapshot_and_the_policy_is_restored(groups):
 
 def test_advantages_per_group_and_whitened_over_the_batch():
     from megatron_areal.actor.ppo_batch import sequence_advantages, token_advantages
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     def traj(group: int, reward: float, n_out: int) -> Trajectory:
         return Trajectory(prompt_ids=[1, 2], output_ids=[3] * n_out, output_logprobs=[-1.0] * n_out,

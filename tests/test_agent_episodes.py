@@ -21,9 +21,9 @@ from rollout_fakes import ListPrompts, ParityScorer, decode, encode
 from megatron_areal.agent.render import ChatRenderer
 from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner
 from megatron_areal.agent.workflow import load_workflow
+from megatron_areal.records import Trajectory
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.rollout.controller import RolloutController
-from megatron_areal.rollout.trajectory import Trajectory
 
 pytestmark = pytest.mark.timeout(600)
 

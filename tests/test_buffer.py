@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_areal.rollout.buffer import Group, PutResult, ReplayBuffer
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.records import Group, Trajectory
+from megatron_areal.rollout.buffer import PutResult, ReplayBuffer
 
 
 def group(gid: int, version: int, rewards=(0.0, 1.0)) -> Group:

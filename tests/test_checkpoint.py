@@ -22,7 +22,7 @@ EVAL = [[3, 17, 40, 41, 42, 90, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 
 
 
 def _batch(seed: int):
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     g = torch.Generator().manual_seed(seed)
     out = []

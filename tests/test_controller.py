@@ -13,9 +13,9 @@ import time
 import pytest
 from rollout_fakes import FakeFleet, FakeServer, ListPrompts, ParityScorer, decode, encode
 
+from megatron_areal.records import Trajectory
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.rollout.controller import RolloutController, RolloutError
-from megatron_areal.rollout.trajectory import Trajectory
 
 
 def make_controller(fleet: FakeFleet, prompts: ListPrompts, *, eta: int, **kw) -> RolloutController:

@@ -28,7 +28,7 @@ MIN_SHIFT = 0.02  # nats: a trajectory's mean logprob change; one Adam step at l
 
 
 def _trajectories(behaviour: list[list[float]] | None = None) -> list[Any]:
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     g = torch.Generator().manual_seed(1)
     out = []

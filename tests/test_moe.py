@@ -255,7 +255,7 @@ def test_checkpoint_round_trip_and_load_at_other_layouts(tiny_moe, pool, tmp_pat
 
 
 def _trajectories(n: int = 8) -> list:
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     g = torch.Generator().manual_seed(0)
     shapes = [(5, 9), (3, 20), (7, 4), (4, 13), (6, 6), (2, 27), (8, 3), (5, 11)][:n]

@@ -182,7 +182,7 @@ def test_mismatch_metrics_hand_computed():
 
 def test_fresh_token_mask_uses_per_token_versions():
     from megatron_areal.actor.ppo_batch import fresh_token_mask
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     t1 = Trajectory(prompt_ids=[1, 2, 3], output_ids=[4, 5, 6], output_logprobs=[-1.0] * 3,
                     output_versions=[2, 3, 3], start_version=2)
@@ -352,7 +352,7 @@ def _mismatch_run(hf_dir: str) -> dict:
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
     from megatron_areal.server.config import EngineOptions
     from megatron_areal.server.engine import Engine
     from megatron_areal.server.sampler import SamplingParams

@@ -354,11 +354,11 @@ def test_interrupted_sample_keeps_each_versions_routes(moe_models, url, hf_a) ->
     """A sample cut after 5 tokens by an update to model B and resumed: positions before the cut's
     last token carry A's routing, the rest B's (each position's route is that of the weights that
     produced the token after it), and the trajectory carries them through the buffer's state."""
-    from megatron_areal.rollout.buffer import Group, ReplayBuffer
+    from megatron_areal.records import Group, Trajectory
+    from megatron_areal.rollout.buffer import ReplayBuffer
     from megatron_areal.rollout.client import RolloutClient
     from megatron_areal.rollout.request import VersionParser, generate_sample
     from megatron_areal.rollout.routing import ServerPool
-    from megatron_areal.rollout.trajectory import Trajectory
 
     class UpdatedMidway(RolloutClient):
         """The first segment stops after 5 tokens, as if paused for a weight update, which then runs."""

@@ -63,7 +63,7 @@ def case_two_updates(hf_dir: str) -> dict[str, Any]:
     from megatron_areal.algorithm.config import PPOConfig
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
 
     plain = _plain_loop()
     batches = [_group(seed) for seed in (1, 2)]

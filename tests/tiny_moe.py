@@ -165,7 +165,7 @@ def sample_with_routes(hf_dir: str | Path, prompts: list[list[int]], max_new_tok
     (its default when None); ``info`` (when given) gets the dtype the engine ran in."""
     import threading
 
-    from megatron_areal.rollout.trajectory import Trajectory
+    from megatron_areal.records import Trajectory
     from megatron_areal.server.config import EngineOptions
     from megatron_areal.server.engine import Engine
     from megatron_areal.server.routes import encode_routes

@@ -46,7 +46,7 @@ from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.algorithm.offpolicy import rollout_mismatch_metrics
 from megatron_areal.data.packing import allocate_microbatches, check_lengths, kk_partition
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.records import Trajectory
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.algorithm import group_advantages, normalize_advantages
-from megatron_areal.rollout.trajectory import Trajectory, episodes
+from megatron_areal.records import Trajectory, episodes
 
 
 def check_trajectories(trajectories: Sequence[Trajectory], max_seq_len: int) -> None:

@@ -20,8 +20,8 @@ from megatron_areal.agent.render import ChatRenderer
 from megatron_areal.agent.session import EpisodeSession
 from megatron_areal.agent.to_trajectories import episode_trajectories
 from megatron_areal.agent.workflow import AgentFn, AgentTask, EpisodeOutcome, run_bounded
+from megatron_areal.records import Trajectory
 from megatron_areal.rollout.sources import PromptLike
-from megatron_areal.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 

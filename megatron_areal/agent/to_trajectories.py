@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_areal.agent.session import Turn
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.records import Trajectory
 
 
 @dataclass(frozen=True)

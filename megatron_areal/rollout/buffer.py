@@ -11,40 +11,10 @@ are its episodes (``Trajectory.episode``): an agent episode split into several t
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from megatron_areal.rollout.trajectory import Trajectory, episodes
-
-
-@dataclass
-class Group:
-    """The ``group_size`` samples of one prompt, scored."""
-    group_id: int
-    prompt_index: int
-    trajectories: list[Trajectory] = field(default_factory=list)
-
-    @property
-    def start_version(self) -> int:
-        """The oldest policy version any of the group's samples started at: the group's age."""
-        return min(t.start_version for t in self.trajectories)
-
-    @property
-    def episode_rewards(self) -> list[float]:
-        """One reward per episode (``trajectory.episodes``), in order: what the group's advantages see."""
-        return [self.trajectories[ix[0]].reward for ix in episodes(self.trajectories)]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data for a checkpoint."""
-        return {"group_id": self.group_id, "prompt_index": self.prompt_index,
-                "trajectories": [t.to_dict() for t in self.trajectories]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Group:
-        """The group ``to_dict`` wrote."""
-        return cls(group_id=data["group_id"], prompt_index=data["prompt_index"],
-                   trajectories=[Trajectory.from_dict(t) for t in data["trajectories"]])
+from megatron_areal.records import Group
 
 
 class PutResult(Enum):

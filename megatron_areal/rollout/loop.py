@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_areal import timeline
-from megatron_areal.rollout.buffer import Group, PutResult, ReplayBuffer
+from megatron_areal.records import Group, Trajectory
+from megatron_areal.rollout.buffer import PutResult, ReplayBuffer
 from megatron_areal.rollout.client import ServerError
 from megatron_areal.rollout.config import RolloutConfig
 from megatron_areal.rollout.metrics import ThroughputWindow, batch_stats
@@ -30,7 +31,6 @@ from megatron_areal.rollout.request import SampleError, SampleOutput, VersionPar
 from megatron_areal.rollout.routing import ServerPool, ServerSlot
 from megatron_areal.rollout.sources import EpisodesLike, PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate
-from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.rollout.wakeup import Signal
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_areal.rollout.trajectory import Trajectory, episodes
+from megatron_areal.records import Trajectory, episodes
 
 
 def _mean(xs: list[float]) -> float:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_areal import timeline
 from megatron_areal.config import Config
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.records import Trajectory
 from megatron_areal.run.control import StepControl
 from megatron_areal.trainer import run_timeline
 from megatron_areal.trainer.policy import Policy, open_fleet

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from megatron_areal.config import Config
 from megatron_areal.heap import release_freed_memory
+from megatron_areal.records import Trajectory
 from megatron_areal.rollout.fleet import Fleet
-from megatron_areal.rollout.trajectory import Trajectory
 from megatron_areal.run.control import ask_to_resume
 from megatron_areal.run.rundir import RunDir
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from megatron_areal import timeline
 from megatron_areal.config import Config
 from megatron_areal.ledger import TrainedLedger
-from megatron_areal.rollout.trajectory import Trajectory
+from megatron_areal.records import Trajectory
 from megatron_areal.run.rundir import RunDir
 from megatron_areal.trainer.run_timeline import EVALUATION, TRAINER
 

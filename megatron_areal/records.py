@@ -1,4 +1,8 @@
-"""One generated sample, as it travels from the servers through the reward to the trainer.
+"""The records a run passes between its parts: one generated sample (``Trajectory``), as it travels from the
+servers through the reward to the trainer, and the scored samples of one prompt (``Group``).
+
+Shared by the rollout side that produces them and the actor, the PPO batch, the ledger and the agent code
+that consume them; this module imports nothing of the package.
 
 Token alignment: ``input_ids = prompt_ids + output_ids``. Per-token quantities of the output
 (``output_logprobs``, ``output_versions``) have one entry per output token; the trainer's
@@ -97,3 +101,32 @@ def episodes(trajectories: Sequence[Trajectory]) -> list[list[int]]:
             out.append(shared[key])
         shared[key].append(i)
     return out
+
+
+@dataclass
+class Group:
+    """The ``group_size`` samples of one prompt, scored."""
+    group_id: int
+    prompt_index: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+    @property
+    def start_version(self) -> int:
+        """The oldest policy version any of the group's samples started at: the group's age."""
+        return min(t.start_version for t in self.trajectories)
+
+    @property
+    def episode_rewards(self) -> list[float]:
+        """One reward per episode (``episodes``), in order: what the group's advantages see."""
+        return [self.trajectories[ix[0]].reward for ix in episodes(self.trajectories)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint."""
+        return {"group_id": self.group_id, "prompt_index": self.prompt_index,
+                "trajectories": [t.to_dict() for t in self.trajectories]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Group:
+        """The group ``to_dict`` wrote."""
+        return cls(group_id=data["group_id"], prompt_index=data["prompt_index"],
+                   trajectories=[Trajectory.from_dict(t) for t in data["trajectories"]])
