@@ -72,8 +72,8 @@ from pathlib import Path
 
 import yaml
 
-from megatron_areal.netutil import free_port
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir.layout import RunDir
+from megatron_areal.util.netutil import free_port
 
 MODES = {"sync": {"eta": 0, "overlap": False}, "async": {"eta": 4, "overlap": True}}
 

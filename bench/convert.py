@@ -49,9 +49,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from megatron_areal.assets import resolve_model
     from megatron_areal.convert.convert import hf_to_mcore
     from megatron_areal.convert.spawn import WorkerPool
+    from megatron_areal.model.assets import resolve_model
 
     src = resolve_model(args.model)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-convert-"))

@@ -16,8 +16,8 @@ import random
 import statistics
 import time
 
-from megatron_areal.assets import resolve_model, smollm2_path
 from megatron_areal.launch.embedded import start_embedded
+from megatron_areal.model.assets import resolve_model, smollm2_path
 from megatron_areal.rollout.client import RolloutClient
 
 

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_areal.ledger import TrainedLedger
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir.layout import RunDir
+from megatron_areal.rundir.ledger import TrainedLedger
 
 
 def train_command(config: Path, run_dir: Path, overrides: list[str]) -> list[str]:

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 def load(model_name: str, threads: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_areal.assets import resolve_model
+    from megatron_areal.model.assets import resolve_model
 
     torch.set_num_threads(threads)
     path = resolve_model(model_name)
@@ -150,10 +150,10 @@ def grpo_step(model, optimizer, out: torch.Tensor, prompt_mask: torch.Tensor, re
 def run(args: argparse.Namespace, log=logger.info) -> list[dict]:
     """``args.steps`` GRPO steps; held-out accuracy at step 0, every ``eval_every`` steps and at the end.
     Returns the evaluation points (``train_s``: seconds of training steps before it, evaluations excluded)."""
-    from megatron_areal.compute_dtype import runnable_dtype
     from megatron_areal.data.stream import PromptStream
     from megatron_areal.data.tasks import load_task
     from megatron_areal.reward.arithmetic import verify_number
+    from megatron_areal.util.compute_dtype import runnable_dtype
 
     torch.manual_seed(args.seed)
     model, tokenizer = load(args.model, args.threads)

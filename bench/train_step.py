@@ -136,7 +136,7 @@ def main() -> None:
 
     from megatron_areal.actor.model import resolve_dtype
     from megatron_areal.actor.parallel import init_parallel
-    from megatron_areal.assets import smollm2_path
+    from megatron_areal.model.assets import smollm2_path
 
     # Load the reference before init_parallel: transformers loaded after the CPU patch of
     # megatron-core (actor/cpu_patch.py) gave NaN logits.
@@ -305,8 +305,8 @@ def versus_transformers(args, groups, hf, fp32, results: Results) -> None:
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.ppo_batch import sequence_advantages
     from megatron_areal.algorithm.config import PPOConfig
-    from megatron_areal.assets import smollm2_path
     from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.assets import smollm2_path
     from megatron_areal.model.weights import load_hf_weights
 
     hf_dir = smollm2_path()

@@ -18,7 +18,7 @@ With the main job's precision-aware optimizer (bf16 gradients and moments, maste
 the save 2.57 GiB, 1.85 GiB between steps. Loading the checkpoint back peaked at 4.87 GiB while Megatron read
 the optimizer state into new fp32 whole-model tensors (and the optimizer reallocated its own); loading
 into the optimizer's own tensors instead (checkpoint/training.py), 2.71 GiB.
-After each step and save the bench releases freed heap memory as the trainer does (megatron_areal/heap.py)
+After each step and save the bench releases freed heap memory as the trainer does (megatron_areal/util/heap.py)
 unless ``--glibc-defaults``. No rollout servers: the weight push is not measured,
 nor rank 0's rollout controller and reward pool.
 
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=1, help="checkpoints saved after the steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--glibc-defaults", action="store_true",
-                    help="skip the trainer's release of freed memory (megatron_areal/heap.py)")
+                    help="skip the trainer's release of freed memory (megatron_areal/util/heap.py)")
     ap.add_argument("--allocator", choices=("auto", "mimalloc", "glibc"), default="auto",
                     help="the C allocator, as cluster.cpu_allocator gives the main job's trainer (default auto)")
     args = ap.parse_args()
@@ -156,7 +156,7 @@ def main() -> None:
     print(f"allocator: {'mimalloc' if 'libmimalloc' in env.get('LD_PRELOAD', '') else 'glibc'}")
     torch_threads = str(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", torch_threads)
-    from megatron_areal.netutil import free_port
+    from megatron_areal.util.netutil import free_port
 
     port = str(free_port())
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("RANK", "0"), ("WORLD_SIZE", "1")):
@@ -169,13 +169,13 @@ def main() -> None:
     from megatron_areal.actor import actor as actor_mod
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.parallel import init_parallel
-    from megatron_areal.assets import resolve_model
     from megatron_areal.checkpoint.training import Checkpointer
     from megatron_areal.config import load_config
     from megatron_areal.data.tasks import load_datasets
-    from megatron_areal.heap import release_freed_memory
     from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.assets import resolve_model
     from megatron_areal.model.weights import load_hf_weights
+    from megatron_areal.util.heap import release_freed_memory
     torch.set_num_threads(args.threads)
     phase("import")
 

@@ -71,12 +71,12 @@ def main() -> None:
 
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
-    from megatron_areal.assets import resolve_model
-    from megatron_areal.compute_dtype import runnable_dtype
     from megatron_areal.config import load_config
     from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.assets import resolve_model
     from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.records import Trajectory
+    from megatron_areal.util.compute_dtype import runnable_dtype
 
     cfg = load_config(str(args.config), args.override)
     dtype = runnable_dtype(getattr(torch, "float32" if cfg.model.dtype == "auto" else cfg.model.dtype),

@@ -168,9 +168,9 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
-    from megatron_areal.netutil import free_port
+    from megatron_areal.model.assets import make_tiny_model
+    from megatron_areal.util.netutil import free_port
 
     root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     model = make_tiny_model(root / "model", "llama", hidden_size=args.hidden, intermediate_size=3 * args.hidden,

@@ -10,8 +10,8 @@ COMMANDS = {
     "serve": ("megatron_areal.server.cli", "the embedded SGLang-compatible rollout server"),
     "convert": ("megatron_areal.convert.cli", "HF <-> Megatron checkpoint conversion"),
     "score": ("megatron_areal.convert.score", "per-token logprobs of token sequences under the Megatron model"),
-    "eval": ("megatron_areal.launch.eval_cli", "held-out accuracy of a model on a task"),
-    "prepare": ("megatron_areal.assets", "one-time preparation of built-in models (SmolLM2-135M from GGUF)"),
+    "eval": ("megatron_areal.evaluation.cli", "held-out accuracy of a model on a task"),
+    "prepare": ("megatron_areal.model.assets", "one-time preparation of built-in models (SmolLM2-135M from GGUF)"),
     "simulate": ("megatron_areal.sim.cli", "discrete-event model of a cluster run; planning"),
 }
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from megatron_areal.netutil import free_port, port_free
+from megatron_areal.util.netutil import free_port, port_free
 
 
 def free_port_range(n: int) -> int:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -18,7 +18,7 @@ from rollout_fakes import FakeFleet, FakeServer, ListPrompts, ParityScorer, deco
 from megatron_areal.agent.render import ChatRenderer
 from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner
 from megatron_areal.agent.workflow import load_workflow
-from megatron_areal.assets import tiny_tokenizer
+from megatron_areal.model.assets import tiny_tokenizer
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.rollout.controller import RolloutController
 

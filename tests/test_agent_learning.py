@@ -28,7 +28,7 @@ STEPS = 24
 
 @pytest.mark.slow
 def test_second_turn_reward_rises_over_a_few_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_areal.run.rundir import RunDir
+    from megatron_areal.rundir.layout import RunDir
 
     monkeypatch.setenv("PYTHONPATH", str(HERE))  # the trainer imports the agent from agent_examples
     cfg = single_turn_config(tmp_path)

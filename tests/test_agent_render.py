@@ -51,7 +51,7 @@ CALCULATOR = {"type": "function", "function": {
 def tokenizer(kind: str, smollm2_dir: Any) -> Any:
     from transformers import AutoTokenizer
 
-    from megatron_areal.assets import tiny_tokenizer
+    from megatron_areal.model.assets import tiny_tokenizer
     if kind == "tiny":
         return tiny_tokenizer()
     tok = AutoTokenizer.from_pretrained(smollm2_dir)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_areal.checkpoint.training import latest_checkpoint, list_checkpoints
-from megatron_areal.compute_dtype import BF16_ANYWAY_ENV
 from megatron_areal.convert.spawn import WorkerPool
+from megatron_areal.util.compute_dtype import BF16_ANYWAY_ENV
 
 EVAL = [[3, 17, 40, 41, 42, 90, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 2]]
 

@@ -8,14 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from aiohttp import web
 
-from megatron_areal.assets import make_tiny_model
 from megatron_areal.launch.embedded import start_embedded
-from megatron_areal.netutil import free_port
+from megatron_areal.model.assets import make_tiny_model
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.rollout.client import GenerateResult, RolloutClient, ServerError
 from megatron_areal.rollout.request import VersionParser, generate_sample
 from megatron_areal.rollout.routing import ServerPool
 from megatron_areal.server.weights import read_safetensors
+from megatron_areal.util.netutil import free_port
 
 KEY = "k"
 

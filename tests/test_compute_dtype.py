@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from megatron_areal import compute_dtype
 from megatron_areal.actor.model import resolve_dtype
 from megatron_areal.server.config import EngineOptions
 from megatron_areal.server.engine import Engine
+from megatron_areal.util import compute_dtype
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -134,7 +134,7 @@ def test_arithmetic_eval_is_fixed_and_held_out() -> None:
 # ---- chat template -----------------------------------------------------------------------------
 
 def test_encode_prompt_with_and_without_chat_template() -> None:
-    from megatron_areal.assets import tiny_tokenizer
+    from megatron_areal.model.assets import tiny_tokenizer
     tok = tiny_tokenizer()
     prompt = Prompt(index=0, text="2+2?", answer="4")
     ids = encode_prompt(tok, prompt, use_chat_template=True)

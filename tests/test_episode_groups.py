@@ -21,7 +21,7 @@ from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner
 from megatron_areal.agent.session import Turn
 from megatron_areal.agent.to_trajectories import episode_trajectories
 from megatron_areal.algorithm import group_advantages
-from megatron_areal.assets import tiny_tokenizer
+from megatron_areal.model.assets import tiny_tokenizer
 from megatron_areal.records import Group, Trajectory
 from megatron_areal.rollout.buffer import PutResult, ReplayBuffer
 from megatron_areal.rollout.metrics import batch_stats

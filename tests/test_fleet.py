@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from rollout_fakes import FakeFleet, FakeServer, ListPrompts, ParityScorer, decode, encode
 
 from megatron_areal.data.prompt import Prompt
-from megatron_areal.evaluate import evaluate
+from megatron_areal.evaluation.held_out import evaluate
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.rollout.controller import RolloutController
 from megatron_areal.rollout.fleet import Fleet

@@ -104,8 +104,8 @@ def test_find_cycle_on_hand_drawn_graphs(edges: dict[str, set[str]], cyclic: boo
 def test_imports_inside_functions_are_read() -> None:
     graph = package_graph()
     assert "trainer" in graph and "rollout" in graph["trainer"]
-    # evaluate.py is imported lazily inside a function of trainer/rank0.py
-    assert "megatron_areal/trainer/rank0.py" in graph["trainer"]["evaluate"]
+    # evaluation/held_out.py is imported lazily inside a function of trainer/rank0.py
+    assert "megatron_areal/trainer/rank0.py" in graph["trainer"]["evaluation"]
 
 
 def test_no_cycle_between_parts_of_the_package() -> None:
@@ -137,10 +137,30 @@ def test_config_sections_are_leaves() -> None:
             assert not leaf, f"{path} imports {module}, which imports {leaf}"
 
 
+def module_path(module: str) -> Path:
+    """``megatron_areal.evaluation.cli`` -> its file."""
+    return PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def command_files() -> set[str]:
+    """The files of the command modules ``cli.py`` names (``megatron_areal/evaluation/cli.py`` for ``eval``)."""
+    return {str(module_path(module).relative_to(PACKAGE.parent)) for module, _ in COMMANDS.values()}
+
+
 def test_launch_is_imported_only_by_the_command_line() -> None:
-    importers = {source: sorted(set(files)) for source, targets in package_graph().items()
-                 for target, files in targets.items() if target == "launch"}
+    """``launch/`` starts processes; only the command line may import it: ``cli.py`` and the command modules it
+    names (``megatron-areal eval`` starts an embedded server), and no module of the package imports those."""
+    commands = command_files()
+    importers = {source: sorted(set(files) - commands) for source, targets in package_graph().items()
+                 for target, files in targets.items() if target == "launch" and set(files) - commands}
     assert importers == {}, f"launch/ is the command line's; import megatron_areal.run instead: {importers}"
+    # a command module that imports launch/ is an entry point: nothing else imports it
+    launching = {module for module, _ in COMMANDS.values()
+                 if any(part_of(name) == "launch" for name in imported_modules(module_path(module)))}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path != PACKAGE / "cli.py":
+            names = imported_modules(path)
+            assert not launching & {*names, *(name.rsplit(".", 1)[0] for name in names)}, f"{path} imports {launching}"
 
 
 def test_the_command_line_reaches_every_command_module() -> None:

@@ -20,10 +20,10 @@ from netutil import free_ports
 from megatron_areal.config import load_config
 from megatron_areal.launch.local import local_plan
 from megatron_areal.launch.procs import ProcessSet
-from megatron_areal.netutil import port_free
 from megatron_areal.run.errors import LaunchError
 from megatron_areal.run.plan import ServerSlot
 from megatron_areal.run.registry import wait_for_servers
+from megatron_areal.util.netutil import port_free
 
 ROOT = Path(__file__).resolve().parents[1]
 

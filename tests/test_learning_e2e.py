@@ -19,7 +19,7 @@ import pytest
 import yaml
 from test_main_job import train
 
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 STEPS = 12
 WINDOW = 3  # steps averaged at each end
@@ -48,7 +48,7 @@ def config(root: Path) -> dict:
 
 @pytest.mark.slow
 def test_reward_rises_over_a_few_steps(tmp_path: Path) -> None:
-    from megatron_areal.run.rundir import RunDir
+    from megatron_areal.rundir.layout import RunDir
 
     cfg = config(tmp_path)
     path = tmp_path / "zeros.yaml"

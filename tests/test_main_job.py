@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_areal.netutil import free_port, port_free
+from megatron_areal.util.netutil import free_port, port_free
 
 STEPS = 3
 ETA = 2
@@ -157,7 +157,7 @@ def test_launcher_terminal_shows_each_step_and_the_accuracy(run: tuple) -> None:
 
 @pytest.mark.slow
 def test_run_writes_a_timeline_that_adds_up(run: tuple) -> None:
-    """timeline.json and its summary (megatron_areal/timeline.py): a valid Chrome trace in which every role's
+    """timeline.json and its summary (megatron_areal/rundir/timeline.py): a valid Chrome trace in which every role's
     activities tile its wall time, with the trainer's phases, each weight push and the servers' work on it."""
     from test_timeline import assert_run_timeline
 

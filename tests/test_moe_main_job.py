@@ -16,7 +16,7 @@ import yaml
 from test_main_job import train
 from tiny_moe import make_tiny_qwen3_moe
 
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

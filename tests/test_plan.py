@@ -362,8 +362,8 @@ def test_model_path_must_exist_when_planning_inside_the_allocation(monkeypatch: 
 def test_model_path_is_resolved_once_to_an_absolute_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SGLang reads a relative path that is not a folder in its own directory as a hub id; every role gets
     the absolute folder the launcher resolved."""
-    from megatron_areal.assets import make_tiny_model
     from megatron_areal.launch.commands import resolved_model_path, server_command
+    from megatron_areal.model.assets import make_tiny_model
 
     make_tiny_model(tmp_path / "models" / "tiny", num_layers=2)
     monkeypatch.chdir(tmp_path)

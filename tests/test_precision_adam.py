@@ -19,8 +19,8 @@ import torch
 from test_actor_parallel import ARCHS, _trajectories
 
 from megatron_areal.actor.precision_adam import PrecisionAwareAdam, _noise, join_master, split_master_
-from megatron_areal.compute_dtype import BF16_ANYWAY_ENV
 from megatron_areal.convert.spawn import WorkerPool
+from megatron_areal.util.compute_dtype import BF16_ANYWAY_ENV
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -270,7 +270,7 @@ def test_in_megatrons_distributed_optimizer(tmp_path):
 
 def case_fp32_weights(tmp: str) -> dict:
     """The main job's optimizer settings where the weights are fp32 (model.dtype float32, or bfloat16 on a
-    CPU without native bf16, compute_dtype.py): a step, a checkpoint, a resumed run."""
+    CPU without native bf16, util/compute_dtype.py): a step, a checkpoint, a resumed run."""
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel

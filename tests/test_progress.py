@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from megatron_areal.launch.progress import RunProgress
-from megatron_areal.metrics import append_eval
+from megatron_areal.rundir.metrics import append_eval
 
 
 def test_lines_per_step_skip_eval_records_and_torn_lines(tmp_path: Path) -> None:

@@ -119,8 +119,8 @@ def _w_close() -> None:
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory: pytest.TempPathFactory):
     """The tiny model and the 4-rank trainer pool (its ranks keep their model between calls)."""
-    from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
+    from megatron_areal.model.assets import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("realloc") / "model", "llama", seed=3)
     pool = WorkerPool(TP * PP, timeout_s=300)
@@ -254,9 +254,9 @@ def test_disk_path_and_next_version(world: dict[str, Any]) -> None:
 
 
 def test_mismatched_bucket_is_refused_and_old_weights_stay(world: dict[str, Any]) -> None:
-    from megatron_areal.netutil import free_port
     from megatron_areal.realloc.group import WeightUpdateGroup
     from megatron_areal.rollout.client import RolloutClient, ServerError
+    from megatron_areal.util.netutil import free_port
 
     url = world["servers"][0].url
     before = _get(url, "/weights_checksum")

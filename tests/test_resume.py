@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 STEPS = 8
 ETA = 1

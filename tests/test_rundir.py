@@ -1,4 +1,4 @@
-"""The run directory has one map (megatron_areal/run/rundir.py): its layout, and no path built by hand elsewhere."""
+"""The run directory has one map (megatron_areal/rundir/layout.py): its layout, and no path built by hand elsewhere."""
 from __future__ import annotations
 
 import ast
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from megatron_areal.config import load_config
-from megatron_areal.run import rundir
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir import layout as rundir
+from megatron_areal.rundir.layout import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "megatron_areal"
@@ -104,9 +104,9 @@ def test_checker_lets_docstrings_and_other_words_be() -> None:
 def test_no_module_outside_rundir_builds_run_paths() -> None:
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "run" / "rundir.py":
+        if path == PACKAGE / "rundir" / "layout.py":
             continue
         found = hand_built_paths(path.read_text())
         if found:
             offenders[str(path.relative_to(ROOT))] = found
-    assert offenders == {}, f"use megatron_areal.run.rundir.RunDir instead: {offenders}"
+    assert offenders == {}, f"use megatron_areal.rundir.layout.RunDir instead: {offenders}"

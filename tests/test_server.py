@@ -12,11 +12,11 @@ import pytest
 import torch
 from netutil import http_call, paused
 
-from megatron_areal.assets import make_tiny_model
 from megatron_areal.launch.embedded import start_embedded
-from megatron_areal.netutil import free_port
+from megatron_areal.model.assets import make_tiny_model
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.weights import read_safetensors, tensor_checksum
+from megatron_areal.util.netutil import free_port
 
 KEY = "secret-key"
 

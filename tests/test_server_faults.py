@@ -23,8 +23,8 @@ import torch
 from engine_jobs import run_jobs
 from netutil import http_call, paused
 
-from megatron_areal.assets import make_tiny_model
 from megatron_areal.launch.embedded import start_embedded
+from megatron_areal.model.assets import make_tiny_model
 from megatron_areal.server.config import EngineOptions
 from megatron_areal.server.engine import Engine
 from megatron_areal.server.sampler import SamplingParams, sample

@@ -10,8 +10,8 @@ import pytest
 
 from megatron_areal.launch.server_process import start_server, stop_server, wait_healthy
 from megatron_areal.launch.sglang import SGLangLaunch
-from megatron_areal.netutil import free_port
 from megatron_areal.run.errors import LaunchError
+from megatron_areal.util.netutil import free_port
 
 
 def test_sglang_command_has_rollout_flags() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 STEPS = 5
 HOLD_AT = 2
@@ -174,9 +174,9 @@ def _version(url: str) -> str:
 
 @pytest.mark.timeout(300)
 def test_weight_sync_readmits_a_restarted_server(tmp_path: Path) -> None:
-    from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
     from megatron_areal.launch.embedded import start_embedded
+    from megatron_areal.model.assets import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", "llama", seed=3)
     servers = [start_embedded(model), start_embedded(model)]
@@ -245,8 +245,8 @@ def test_keeper_restarts_with_backoff_then_gives_up(tmp_path: Path) -> None:
 
 
 def test_stopped_embedded_server_leaves_no_folder_but_a_dead_one_keeps_its_log(tmp_path: Path) -> None:
-    from megatron_areal.assets import make_tiny_model
     from megatron_areal.launch.embedded import start_embedded
+    from megatron_areal.model.assets import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", "llama", seed=3)
     with start_embedded(model) as server:

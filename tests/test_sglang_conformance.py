@@ -237,8 +237,8 @@ def test_pipeline_stages_reach_three_sglang_servers_one_at_a_time(receivers: lis
     """PP2 trainer, three servers that each take one weight operation at a time: every server gets
     every tensor bitwise, and sees stage 0's group entirely before stage 1's (two groups streaming
     to the same servers at once is what deadlocks NCCL)."""
-    from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
+    from megatron_areal.model.assets import make_tiny_model
     from megatron_areal.server.weights import read_safetensors
 
     model = make_tiny_model(tmp_path / "model", "llama", seed=5)
@@ -290,8 +290,8 @@ def test_a_paused_server_that_refuses_an_update_is_not_taken_for_dead(receivers:
                                                                       tmp_path: Path) -> None:
     """While paused, SGLang's ``/health`` waits (20 s, then 503); liveness must not depend on it.
     A server that refuses a bucket is alive: the sync fails naming it, nothing is dropped."""
-    from megatron_areal.assets import make_tiny_model
     from megatron_areal.convert.spawn import WorkerPool
+    from megatron_areal.model.assets import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", "llama", seed=5)
     urls = [r.url for r in receivers]

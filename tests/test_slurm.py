@@ -15,7 +15,7 @@ import pytest
 from netutil import free_port_range
 
 from megatron_areal.config import load_config
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 pytestmark = [
     pytest.mark.slurm,

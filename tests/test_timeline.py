@@ -1,4 +1,4 @@
-"""The main job's timeline (megatron_areal/timeline.py): spans tile each role's time, the summary adds
+"""The main job's timeline (megatron_areal/rundir/timeline.py): spans tile each role's time, the summary adds
 up to the wall time, and the file is a Chrome trace by the Trace Event Format's rules.
 
 The expected spans of the scripted run are worked out by hand from the script below. The run's
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_areal import timeline
-from megatron_areal.run.rundir import RunDir
-from megatron_areal.timeline import SERVER_PRIORITY, Span, Timeline
+from megatron_areal.rundir import timeline
+from megatron_areal.rundir.layout import RunDir
+from megatron_areal.rundir.timeline import SERVER_PRIORITY, Span, Timeline
 
 
 class FakeClock:

@@ -5,7 +5,7 @@
   bit for bit, as without;
 - ``parallel.mb_token_multiple``: micro-batches padded to a multiple of 64 tokens give the same
   weights after a step, and are padded;
-- ``megatron_areal/heap.py``: heap memory freed by tensors goes back to the system (the kernel's VmRSS).
+- ``megatron_areal/util/heap.py``: heap memory freed by tensors goes back to the system (the kernel's VmRSS).
 (The checkpoint's optimizer state saved as views: tests/test_checkpoint.py.)
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_actor_parallel import ARCHS, Group, _trajectories
 
-from megatron_areal.compute_dtype import BF16_ANYWAY_ENV
+from megatron_areal.util.compute_dtype import BF16_ANYWAY_ENV
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,7 +76,7 @@ def test_padded_microbatches_change_no_weight(group, plain):
 
 RELEASE_PROBE = """
 import torch
-from megatron_areal.heap import release_freed_memory
+from megatron_areal.util.heap import release_freed_memory
 
 def rss_mib():
     for line in open("/proc/self/status"):

@@ -85,7 +85,7 @@ def test_refusals_of_a_few_prompts_do_not_stop_a_run():
 
 
 def test_prepared_model_is_the_folder_resolve_model_prepares():
-    from megatron_areal.assets import BUILTIN_MODELS, prepared_model, resolve_model
+    from megatron_areal.model.assets import BUILTIN_MODELS, prepared_model, resolve_model
 
     for name in BUILTIN_MODELS:
         if prepared_model(name) is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("MEGATRON_AREAL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
@@ -56,7 +56,7 @@ def _start(model: Path, port: int, log_path: Path):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from megatron_areal.assets import make_tiny_model
+    from megatron_areal.model.assets import make_tiny_model
 
     # head_dim 32: vLLM's CPU attention takes 32, 64, 80, ... (the built-in tiny models have 16)
     return make_tiny_model(tmp_path_factory.mktemp("vllm") / "model", "llama", seed=5, num_heads=2,

@@ -39,8 +39,8 @@ RUN_TIMEOUT_S = 1800  # two vLLM starts (each imports vLLM in three processes) o
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 300)
 def test_main_job_on_vllm_learns_and_readmits_a_killed_server(tmp_path: Path) -> None:
-    from megatron_areal.assets import make_tiny_model
-    from megatron_areal.run.rundir import RunDir
+    from megatron_areal.model.assets import make_tiny_model
+    from megatron_areal.rundir.layout import RunDir
 
     cfg = config(tmp_path)
     cfg["train"]["steps"] = STEPS

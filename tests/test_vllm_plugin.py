@@ -102,10 +102,10 @@ def test_cpu_servers_compute_in_the_trainers_dtype(dtype: str) -> None:
     another policy's numerics (and runs bf16 through slow reference kernels)."""
     import torch
 
-    from megatron_areal.compute_dtype import runnable_dtype
     from megatron_areal.config import load_config
     from megatron_areal.launch.commands import vllm_spec
     from megatron_areal.run.plan import ServerSlot
+    from megatron_areal.util.compute_dtype import runnable_dtype
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/smollm2_arith.yaml",
                       ["server.engine=vllm", f"model.dtype={dtype}"])

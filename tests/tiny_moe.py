@@ -21,7 +21,7 @@ def make_tiny_qwen3_moe(out_dir: str | Path, *, norm_topk_prob: bool = True, see
     weights every engine loads are exactly representable in bf16, as in released checkpoints)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from megatron_areal.assets import tiny_tokenizer
+    from megatron_areal.model.assets import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(130)
     config = Qwen3MoeConfig(
@@ -39,7 +39,7 @@ def make_tiny_mixtral(out_dir: str | Path, *, seed: int = 0, num_layers: int = 2
     written by transformers in Mixtral's checkpoint layout (``block_sparse_moe.experts.{e}.w1/w2/w3``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from megatron_areal.assets import tiny_tokenizer
+    from megatron_areal.model.assets import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(130)
     config = MixtralConfig(
@@ -56,7 +56,7 @@ def make_tiny_qwen2_moe(out_dir: str | Path, *, seed: int = 0, num_layers: int =
     a shared expert of width 56 behind a sigmoid gate, Qwen2's q/k/v bias."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from megatron_areal.assets import tiny_tokenizer
+    from megatron_areal.model.assets import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(130)
     config = Qwen2MoeConfig(

@@ -12,7 +12,7 @@ class ModelConfig:
     """The policy model: where its HF weights come from, its dtype, the longest sequence trained, and the
     Megatron layer spec."""
 
-    path: str = "smollm2-135m"  # HF folder, or a built-in asset name (see megatron_areal.assets)
+    path: str = "smollm2-135m"  # HF folder, or a built-in asset name (see megatron_areal.model.assets)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     max_seq_len: int = 1024  # longest prompt + response the trainer accepts
     # Megatron layer spec. auto: Transformer Engine on CUDA (required: a failed import is an error),

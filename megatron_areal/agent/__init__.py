@@ -7,8 +7,8 @@ OpenAI-compatible endpoint the rollout controller serves, and the episode become
 - ``session`` / ``endpoint``: one episode's record of turns, and the HTTP endpoint serving them.
 - ``workflow``: the user's ``run_episode`` loaded from ``rollout.workflow`` and run with bounds.
 - ``to_trajectories``: an episode -> trajectories with a per-position loss mask.
-- ``runner``: episodes of a group on the rollout loop; ``evaluate``: held-out success of greedy episodes;
-  ``from_config``: both built from the run's ``rollout`` section.
+- ``runner``: episodes of a group on the rollout loop; ``from_config``: built from the run's ``rollout``
+  section. Held-out success of greedy episodes is ``megatron_areal/evaluation/agent.py``.
 - ``calculator`` / ``calculator_task``: a safe arithmetic tool and the built-in task that needs it.
 - ``code_tool``: the ``python`` tool, which runs a program in the reward's code sandbox.
 

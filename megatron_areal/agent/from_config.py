@@ -1,14 +1,13 @@
-"""The agent parts of a run, built from its ``rollout`` section (the trainer's rank 0 calls these)."""
+"""The agent parts of a run, built from its ``rollout`` section (the trainer's rank 0 calls these; the held-out
+episodes are ``megatron_areal/evaluation/agent.py``)."""
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_areal.agent.evaluate import AgentEvalResult, evaluate_agent
 from megatron_areal.agent.render import ChatRenderer
 from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner
 from megatron_areal.agent.workflow import load_workflow
 from megatron_areal.rollout.config import RolloutConfig
-from megatron_areal.rollout.fleet import Fleet
 
 
 def episode_limits(rollout: RolloutConfig, max_seq_len: int) -> EpisodeLimits:
@@ -22,11 +21,3 @@ def episode_runner(rollout: RolloutConfig, tokenizer: Any, max_seq_len: int) -> 
     if not rollout.workflow:
         return None
     return EpisodeRunner(load_workflow(rollout.workflow), ChatRenderer(tokenizer), episode_limits(rollout, max_seq_len))
-
-
-def evaluate_episodes(fleet: Fleet, rollout: RolloutConfig, tokenizer: Any, prompts: list[Any],
-                      max_seq_len: int) -> AgentEvalResult:
-    """Held-out success and tool use of the agent, greedy, on the fleet's members (from a plain thread)."""
-    clients = [slot.client for slot in fleet.routing.slots]
-    return fleet.run(evaluate_agent(load_workflow(rollout.workflow), ChatRenderer(tokenizer),
-                                    episode_limits(rollout, max_seq_len), prompts, clients))

@@ -13,7 +13,7 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 disables
     keep: int = 2  # newest checkpoints kept
     resume: bool = True  # continue from the newest checkpoint in the checkpoint directory
-    dir: str = ""  # where step_<N> directories go; empty: RunDir.checkpoints (run/rundir.py)
+    dir: str = ""  # where step_<N> directories go; empty: RunDir.checkpoints (rundir/layout.py)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""

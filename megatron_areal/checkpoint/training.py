@@ -42,10 +42,10 @@ from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.checkpoint import dist_ckpt
 from megatron_areal.checkpoint.verify import checkpoint_damage
 from megatron_areal.checkpoint.write_error import CheckpointWriteError, describe_write_failure
-from megatron_areal.heap import release_freed_memory
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.hf_io import HFReader
 from megatron_areal.model.weights import unwrap
+from megatron_areal.util.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     start = time.time()
     try:
         if args.direction == "hf-to-mcore":
-            from megatron_areal.assets import resolve_model
+            from megatron_areal.model.assets import resolve_model
 
             out = hf_to_mcore(resolve_model(args.hf), args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
         else:

@@ -71,7 +71,7 @@ def resolve_source(hf: str | None, ckpt: str | None) -> tuple[str, Path, ModelAr
         arch = dist_ckpt.hf_arch_from_ckpt(path)
         dist_ckpt.check_same_model(path, arch)
         return "ckpt", path, arch
-    from megatron_areal.assets import resolve_model
+    from megatron_areal.model.assets import resolve_model
 
     path = resolve_model(hf)
     arch = load_arch(path)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 log = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ def _check_model_path(plan: Plan, cfg: Config, arch: ModelArch | None, known: Mo
                       model_here: bool) -> bool:
     """Whether ``model.path`` resolves (a built-in name or an HF folder here), as the launcher will
     resolve it once for every role; False (with an error) when the job could not start."""
-    from megatron_areal.assets import BUILTIN_MODELS
+    from megatron_areal.model.assets import BUILTIN_MODELS
 
     key = cfg.model.path
     path = Path(key).expanduser()

@@ -11,13 +11,13 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_areal.compute_dtype import cpu_dtype_name
 from megatron_areal.config import Config
 from megatron_areal.configbase import load_yaml, parse_override
 from megatron_areal.launch.allocator import with_allocator
 from megatron_areal.launch.sglang import SGLangLaunch
 from megatron_areal.launch.vllm import VLLMLaunch, launcher_command
 from megatron_areal.run.plan import Plan, ServerSlot
+from megatron_areal.util.compute_dtype import cpu_dtype_name
 
 
 def resolved_model_path(cfg: Config) -> str:
@@ -26,7 +26,7 @@ def resolved_model_path(cfg: Config) -> str:
     A built-in name is prepared here (so servers and trainer ranks never race to prepare it), and a
     relative path is made absolute: SGLang reads a path that is not a folder in its own working
     directory as a model-hub id, while the trainer would fail on it."""
-    from megatron_areal.assets import resolve_model
+    from megatron_areal.model.assets import resolve_model
     return str(resolve_model(cfg.model.path).absolute())
 
 

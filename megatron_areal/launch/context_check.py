@@ -58,8 +58,8 @@ def prompt_token_range(cfg: Config, model_dir: Path) -> tuple[int, int, int]:
 def check_context(plan: Plan, cfg: Config) -> None:
     """Append to ``plan.errors`` when no prompt leaves room for ``rollout.max_new_tokens`` (and to
     ``plan.warnings`` when the longest prompts do not)."""
-    from megatron_areal.assets import prepared_model
     from megatron_areal.data import DataError
+    from megatron_areal.model.assets import prepared_model
 
     new, limit = cfg.rollout.max_new_tokens, sequence_limit(cfg)
     fix = f"lower rollout.max_new_tokens or raise {limit.source.split(' ')[0]}"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatron_areal.launch.commands import cpu_thread_env
 from megatron_areal.launch.server_process import start_server, stop_server
-from megatron_areal.netutil import free_port
+from megatron_areal.util.netutil import free_port
 
 
 @dataclass

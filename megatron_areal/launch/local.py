@@ -17,13 +17,13 @@ from megatron_areal.launch.commands import role_env, server_command, shares_core
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.procs import ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.progress import RunProgress
-from megatron_areal.netutil import free_port, port_free
 from megatron_areal.run.control import clear_requests
 from megatron_areal.run.errors import LaunchError
 from megatron_areal.run.plan import Node, Plan, make_plan
 from megatron_areal.run.registry import clear_registrations, wait_for_servers
-from megatron_areal.run.rundir import RunDir
 from megatron_areal.run.secrets import apply_env_api_key, env_with_api_key, public_overrides
+from megatron_areal.rundir.layout import RunDir
+from megatron_areal.util.netutil import free_port, port_free
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from megatron_areal.launch.server_process import wait_healthy
 from megatron_areal.run.control import checkpoint_on_usr1
 from megatron_areal.run.errors import LaunchError
 from megatron_areal.run.plan import Plan, ServerSlot
-from megatron_areal.run.rundir import RunDir
 from megatron_areal.run.secrets import apply_env_api_key, env_with_api_key
+from megatron_areal.rundir.layout import RunDir
 from megatron_areal.server.cli import write_registration
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from megatron_areal.metrics import read_eval
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir.layout import RunDir
+from megatron_areal.rundir.metrics import read_eval
 
 STEP_KEY = "perf/step_time_s"  # present in a trained step's record, absent from evaluation records
 

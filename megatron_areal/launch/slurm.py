@@ -28,8 +28,8 @@ from megatron_areal.run.control import clear_requests, request_checkpoint, resum
 from megatron_areal.run.errors import LaunchError
 from megatron_areal.run.plan import Node, Plan, make_plan
 from megatron_areal.run.registry import clear_registrations, wait_for_servers
-from megatron_areal.run.rundir import RunDir
 from megatron_areal.run.secrets import apply_env_api_key, env_with_api_key, public_overrides
+from megatron_areal.rundir.layout import RunDir
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_areal.netutil import free_port
 from megatron_areal.realloc.buckets import Bucket
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.rollout.fleet import Fleet, wait_all
+from megatron_areal.util.netutil import free_port
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from megatron_areal import timeline
 from megatron_areal.reward.builtin import default_registry
 from megatron_areal.reward.config import RewardConfig
 from megatron_areal.reward.registry import VerifierRegistry
 from megatron_areal.reward.worker import RewardResult, Worker
+from megatron_areal.rundir import timeline
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from megatron_areal import timeline
 from megatron_areal.records import Group, Trajectory
 from megatron_areal.rollout.buffer import PutResult, ReplayBuffer
 from megatron_areal.rollout.client import ServerError
@@ -32,6 +31,7 @@ from megatron_areal.rollout.routing import ServerPool, ServerSlot
 from megatron_areal.rollout.sources import EpisodesLike, PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate
 from megatron_areal.rollout.wakeup import Signal
+from megatron_areal.rundir import timeline
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from megatron_areal import timeline
 from megatron_areal.rollout.client import RolloutClient
 from megatron_areal.rollout.wakeup import Signal
+from megatron_areal.rundir import timeline
 
 log = logging.getLogger(__name__)
 

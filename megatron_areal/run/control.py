@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir.layout import RunDir
 
 logger = logging.getLogger(__name__)
 

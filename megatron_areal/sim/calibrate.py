@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir.layout import RunDir
 from megatron_areal.sim.costs import CostModel
 from megatron_areal.sim.engine import simulate
 from megatron_areal.sim.result import RunResult

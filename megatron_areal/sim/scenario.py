@@ -130,7 +130,7 @@ def _arch(path: str) -> tuple[str, ModelArch]:
     try:
         return resolve_arch(path)
     except ValueError:
-        from megatron_areal.assets import BUILTIN_MODELS, resolve_model
+        from megatron_areal.model.assets import BUILTIN_MODELS, resolve_model
 
         if path not in BUILTIN_MODELS:
             raise

@@ -16,8 +16,8 @@ from megatron_areal.config import load_config
 from megatron_areal.run.control import checkpoint_on_usr1
 from megatron_areal.run.plan import Plan
 from megatron_areal.run.registry import wait_for_servers
-from megatron_areal.run.rundir import RunDir
 from megatron_areal.run.secrets import apply_env_api_key
+from megatron_areal.rundir.layout import RunDir
 from megatron_areal.trainer import run_timeline
 
 logger = logging.getLogger(__name__)

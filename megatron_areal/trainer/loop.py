@@ -13,10 +13,10 @@ import time
 
 import torch.distributed as dist
 
-from megatron_areal import timeline
 from megatron_areal.config import Config
 from megatron_areal.records import Trajectory
 from megatron_areal.run.control import StepControl
+from megatron_areal.rundir import timeline
 from megatron_areal.trainer import run_timeline
 from megatron_areal.trainer.policy import Policy, open_fleet
 from megatron_areal.trainer.rank0 import NoDuties, Rank0Duties, StepTimes
@@ -77,9 +77,9 @@ def evaluate_while_loading(cfg: Config, server_urls: list[str]) -> Rank0Duties |
     """On rank 0 of a fresh run: rank 0's duties built before the model, with the starting policy's held-out
     evaluation under way on the servers, which would otherwise idle while the trainer loads the model (a
     resumed run's servers get its weights first, so it evaluates after loading, as before). None elsewhere."""
-    from megatron_areal.assets import resolve_model
     from megatron_areal.checkpoint.training import list_checkpoints
-    from megatron_areal.run.rundir import RunDir
+    from megatron_areal.model.assets import resolve_model
+    from megatron_areal.rundir.layout import RunDir
 
     if os.environ.get("RANK", "0") != "0":  # the process group does not exist yet
         return None

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from megatron_areal.config import Config
-from megatron_areal.heap import release_freed_memory
 from megatron_areal.records import Trajectory
 from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.run.control import ask_to_resume
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir.layout import RunDir
+from megatron_areal.util.heap import release_freed_memory
 
 if TYPE_CHECKING:
     from megatron_areal.actor.actor import Actor
@@ -61,9 +61,9 @@ class Policy:
         ``fleet`` when given (opened earlier, see ``loop.evaluate_while_loading``), else its own."""
         from megatron_areal.actor.actor import Actor
         from megatron_areal.actor.parallel import init_parallel
-        from megatron_areal.assets import resolve_model
         from megatron_areal.checkpoint.training import Checkpointer
         from megatron_areal.model.arch import load_arch
+        from megatron_areal.model.assets import resolve_model
         from megatron_areal.model.weights import load_hf_weights
         from megatron_areal.realloc.sync import WeightSync
 

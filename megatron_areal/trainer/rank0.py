@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megatron_areal import timeline
 from megatron_areal.config import Config
-from megatron_areal.ledger import TrainedLedger
 from megatron_areal.records import Trajectory
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir import timeline
+from megatron_areal.rundir.layout import RunDir
+from megatron_areal.rundir.ledger import TrainedLedger
 from megatron_areal.trainer.run_timeline import EVALUATION, TRAINER
 
 T = TypeVar("T")
@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_areal.data.prompt import Prompt
-    from megatron_areal.metrics import MetricsWriter
     from megatron_areal.realloc.sync import SyncResult, WeightSync
     from megatron_areal.reward import RewardService
     from megatron_areal.rollout.controller import RolloutController
     from megatron_areal.rollout.fleet import Fleet
+    from megatron_areal.rundir.metrics import MetricsWriter
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +105,9 @@ class Rank0Duties:
         from megatron_areal.data.stream import PromptStream
         from megatron_areal.data.tasks import load_datasets
         from megatron_areal.data.template import encode_prompt
-        from megatron_areal.metrics import MetricsWriter
         from megatron_areal.reward import RewardService
         from megatron_areal.rollout.controller import RolloutController
+        from megatron_areal.rundir.metrics import MetricsWriter
 
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         train_prompts, eval_prompts = load_datasets(cfg.data)
@@ -199,15 +199,15 @@ class Rank0Duties:
 
 def evaluate_held_out(duties: Rank0Duties, step: int, label: str) -> float | None:
     """Accuracy on the held-out prompts with the servers' current weights, logged and recorded."""
-    from megatron_areal.evaluate import evaluate
-    from megatron_areal.metrics import append_eval
+    from megatron_areal.evaluation.held_out import evaluate
+    from megatron_areal.rundir.metrics import append_eval
 
     cfg = duties.cfg
     if not duties.eval_prompts:
         return None
     with timeline.activity(EVALUATION, "evaluating"):
         if cfg.rollout.workflow:  # agent episodes: whole episodes played greedily, scored by the agent
-            from megatron_areal.agent.from_config import evaluate_episodes
+            from megatron_areal.evaluation.agent import evaluate_episodes
             result = evaluate_episodes(duties.fleet, cfg.rollout, duties.tokenizer, duties.eval_prompts,
                                        cfg.model.max_seq_len)
         else:
@@ -235,7 +235,7 @@ def in_background(fn: Callable[..., T], *args: Any) -> cf.Future[T]:
 def before_accuracy(duties: Rank0Duties, step: int) -> float | None:
     """The base model's held-out accuracy, for the closing before -> after summary: a run starting
     at step 0 evaluates it; a resumed run reads back what its first run recorded in eval.jsonl."""
-    from megatron_areal.metrics import read_eval
+    from megatron_areal.rundir.metrics import read_eval
 
     if step == 0:
         return evaluate_held_out(duties, step, "before")

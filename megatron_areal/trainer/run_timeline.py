@@ -1,4 +1,4 @@
-"""The main job's timeline (``megatron_areal.timeline``) as trainer rank 0 records it.
+"""The main job's timeline (``megatron_areal.rundir.timeline``) as trainer rank 0 records it.
 
 The run begins when the launcher wrote the plan (``plan.json``'s modification time), so the servers'
 start-up before the trainer process existed is on the record: the trainer is "launching servers"
@@ -10,10 +10,10 @@ import logging
 import time
 from pathlib import Path
 
-from megatron_areal import timeline
 from megatron_areal.run.registry import read_registrations
-from megatron_areal.run.rundir import RunDir
-from megatron_areal.timeline import SERVER_PRIORITY, Timeline
+from megatron_areal.rundir import timeline
+from megatron_areal.rundir.layout import RunDir
+from megatron_areal.rundir.timeline import SERVER_PRIORITY, Timeline
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Held-out accuracy: greedy answers from rollout servers, scored by the reward service.
 
 The trainer calls ``evaluate`` on its shared ``Fleet`` before, during and after a run;
-``megatron-areal eval`` (``launch/eval_cli.py``) calls it on servers it starts or is given.
+``megatron-areal eval`` (``evaluation/cli.py``) calls it on servers it starts or is given.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_areal import timeline
 from megatron_areal.data.prompt import Prompt
 from megatron_areal.data.template import encode_prompt
 from megatron_areal.rollout.fleet import Fleet
+from megatron_areal.rundir import timeline
 
 logger = logging.getLogger(__name__)
 

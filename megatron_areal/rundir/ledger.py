@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from megatron_areal.metrics import truncate_after
 from megatron_areal.records import Trajectory
+from megatron_areal.rundir.metrics import truncate_after
 
 
 class TrainedLedger:

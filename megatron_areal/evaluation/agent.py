@@ -11,9 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_areal.agent.from_config import episode_limits
+from megatron_areal.agent.render import ChatRenderer
 from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner, agent_task
-from megatron_areal.agent.workflow import AgentFn
+from megatron_areal.agent.workflow import AgentFn, load_workflow
 from megatron_areal.rollout.client import ServerError
+from megatron_areal.rollout.config import RolloutConfig
+from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser
 
 
@@ -71,3 +75,11 @@ async def evaluate_agent(agent: AgentFn, renderer: Any, limits: EpisodeLimits, p
                            tool_use=sum(c > 0 for _, c, _, _ in results) / n,
                            n=len(results), turns_mean=sum(t for _, _, t, _ in results) / n,
                            failed=sum(f for *_, f in results), seconds=time.monotonic() - start)
+
+
+def evaluate_episodes(fleet: Fleet, rollout: RolloutConfig, tokenizer: Any, prompts: list[Any],
+                      max_seq_len: int) -> AgentEvalResult:
+    """Held-out success and tool use of the agent, greedy, on the fleet's members (from a plain thread)."""
+    clients = [slot.client for slot in fleet.routing.slots]
+    return fleet.run(evaluate_agent(load_workflow(rollout.workflow), ChatRenderer(tokenizer),
+                                    episode_limits(rollout, max_seq_len), prompts, clients))

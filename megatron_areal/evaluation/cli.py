@@ -1,7 +1,7 @@
 """``megatron-areal eval --model MODEL --task arithmetic-eval``: held-out accuracy of a model.
 
 Starts an embedded server on the model (or uses the servers given with ``--url``), answers every prompt
-greedily (``megatron_areal/evaluate.py``) and prints the accuracy as one JSON line.
+greedily (``megatron_areal/evaluation/held_out.py``) and prints the accuracy as one JSON line.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from megatron_areal.data.prompt import Prompt
-from megatron_areal.evaluate import EvalResult, evaluate
+from megatron_areal.evaluation.held_out import EvalResult, evaluate
 from megatron_areal.rollout.fleet import Fleet
 
 
@@ -28,9 +28,9 @@ def main(argv: list[str]) -> int:
     # imported once the arguments are known to be good: --help and a typo answer at once
     from transformers import AutoTokenizer
 
-    from megatron_areal.assets import resolve_model
     from megatron_areal.data.tasks import load_task
     from megatron_areal.launch.embedded import start_embedded
+    from megatron_areal.model.assets import resolve_model
     from megatron_areal.reward import RewardConfig, RewardService
 
     model = resolve_model(args.model)

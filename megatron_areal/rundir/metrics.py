@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_areal.run.rundir import RunDir
+from megatron_areal.rundir.layout import RunDir
 
 logger = logging.getLogger(__name__)
 
