@@ -110,7 +110,7 @@ else:
 
     @torch.no_grad()
     def fresh_logprobs(use_te):  # same seed, same weights: the two specs must agree
-        chunks = build_model(arch, seed=1, dtype=actor.dtype, device=groups.device, use_te=use_te)
+        chunks = build_model(arch, groups, seed=1, dtype=actor.dtype, use_te=use_te)
         out = run_microbatches(chunks, [mb], groups, vocab_size=vocab, temperature=1.0, forward_only=True,
                                loss_fn=lambda m, lp, ent: (lp.sum() * 0, {"lp": lp.float()}))
         return mb.split(out[0]["lp"])

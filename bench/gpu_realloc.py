@@ -75,7 +75,7 @@ def main() -> None:
                      max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
                      qkv_bias=False, qk_norm=False, tie_word_embeddings=False)
     # the TE spec when TE imports, else the local one: the stream, not the spec, is measured here
-    chunks = build_model(arch, tp=1, pp=1, pp_rank=0, dtype=dtype, device=groups.device, use_te=te_available())
+    chunks = build_model(arch, groups, dtype=dtype, use_te=te_available())
     bucket = int(args.bucket_mb * 2**20)
     _stream(chunks, arch, groups, bucket, dtype)  # warm-up: allocator, kernels
 

@@ -163,7 +163,8 @@ def packing_bench(args, groups, results: Results) -> None:
                      num_layers=args.layers, num_heads=8, num_kv_heads=2, head_dim=args.hidden // 8,
                      max_position_embeddings=args.max_len, rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None,
                      qkv_bias=True, qk_norm=False, tie_word_embeddings=True)
-    state = build_train_state(build_model(arch, seed=args.seed), OptimizerConfig(lr=1e-5), groups, total_steps=100)
+    chunks = build_model(arch, groups, seed=args.seed)
+    state = build_train_state(chunks, OptimizerConfig(lr=1e-5), groups, total_steps=100)
     rng = random.Random(args.seed)
     lengths = long_tail(args.sequences, args.max_len, args.seed)
     seqs = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]

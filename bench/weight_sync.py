@@ -77,7 +77,7 @@ def _t_setup(model_dir: str, urls: list[str], bucket_mb: float, tp: int, pp: int
 
     groups = init_parallel(tp=tp, pp=pp, backend="gloo")
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank)
+    chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
     config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=300.0, master_address="127.0.0.1")
     _STATE.update(groups=groups, sync=WeightSync(chunks, arch, groups, urls, config=config))

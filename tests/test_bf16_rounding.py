@@ -63,7 +63,7 @@ def _drift(rounding: str) -> dict[str, float]:
                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5,
                      rope_theta=10000.0, rope_scaling=None, qkv_bias=False, qk_norm=False, tie_word_embeddings=False)
     groups = init_parallel(1, 1, seed=1, backend="gloo")
-    chunks = build_model(arch, dtype=torch.bfloat16, seed=1)
+    chunks = build_model(arch, groups, dtype=torch.bfloat16, seed=1)
     with torch.no_grad():  # weights of SmolLM2's typical size, where bf16's spacing is 2.4e-4
         for p in (p for c in chunks for p in c.parameters()):
             p.uniform_(0.035, 0.06, generator=torch.Generator().manual_seed(p.numel()))

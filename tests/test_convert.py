@@ -96,7 +96,7 @@ def export_stage(hf_dir: str, tp: int, pp: int) -> dict[str, torch.Tensor]:
 
     arch = load_arch(hf_dir)
     groups = init_parallel(tp=tp, pp=pp, backend="gloo")
-    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
+    chunks = build_model(arch, groups)
     load_hf_weights(chunks, hf_dir, arch, groups.tp_rank, groups.tp)
     out = {name: t.clone() for name, t in export_hf_weights(chunks, arch, groups.tp_group, groups.tp)}
     teardown_parallel()

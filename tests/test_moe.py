@@ -218,7 +218,7 @@ def export_stage(hf_dir: str, tp: int, pp: int, ep: int, etp: int) -> dict[str, 
 
     arch = load_arch(hf_dir)
     g = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=etp)
-    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=g.pp_rank, tp_rank=g.tp_rank, ep=ep, etp=etp, etp_rank=g.etp_rank)
+    chunks = build_model(arch, g)
     load_hf_weights(chunks, hf_dir, arch, g.tp_rank, g.tp, etp_rank=g.etp_rank, etp_size=g.etp)
     out = {n: t.clone() for n, t in export_hf_weights(chunks, arch, g.tp_group, g.tp, etp_group=g.etp_group,
                                                        etp_size=g.etp, ep_group=g.ep_group, ep_size=g.ep)}

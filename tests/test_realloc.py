@@ -46,7 +46,7 @@ def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, t
             _STATE.pop(key).close()
     groups = init_parallel(tp=tp, pp=pp, backend="gloo")
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank)
+    chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
     config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=10.0, master_address="127.0.0.1", flattened_bucket=flat)
     disk = ReallocConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0, master_address="127.0.0.1")

@@ -42,8 +42,7 @@ def _w_setup(model_dir: str, url: str, tp: int, pp: int, ep: int, etp: int, disk
         _STATE.pop("sync").close()
     groups = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=etp)
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
-                         sequence_parallel=tp > 1, ep=ep, etp=etp, etp_rank=groups.etp_rank)
+    chunks = build_model(arch, groups, sequence_parallel=tp > 1)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp, etp_rank=groups.etp_rank, etp_size=groups.etp)
     _perturb(chunks, groups)
     config = ReallocConfig(bucket_mb=0.02, timeout_s=20.0, master_address="127.0.0.1")

@@ -220,7 +220,7 @@ def _w_push_pp2(model_dir: str, urls: list[str], version: str) -> list[str]:
 
     groups = init_parallel(tp=1, pp=2, backend="gloo")
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=1, pp=2, pp_rank=groups.pp_rank)
+    chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
     config = ReallocConfig(bucket_mb=0.05, timeout_s=60.0, master_address="127.0.0.1")
     sync = WeightSync(chunks, arch, groups, urls, config=config)
@@ -271,7 +271,7 @@ def _w_sync_one_rank(model_dir: str, urls: list[str], version: str) -> dict[str,
 
     groups = init_parallel(tp=1, pp=1, backend="gloo")
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=1, pp=1, pp_rank=0)
+    chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, 0, 1)
     dropped: list[str] = []
     sync = WeightSync(chunks, arch, groups, urls, config=ReallocConfig(timeout_s=60.0, master_address="127.0.0.1"),

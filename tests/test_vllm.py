@@ -112,7 +112,7 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
 
     groups = init_parallel(tp=1, pp=1, backend="gloo")
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=1, pp=1, pp_rank=0)
+    chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, 0, 1)
     events: list = []
     # pause_mode retract: on vLLM the requests are kept inside the server (/pause?mode=keep)

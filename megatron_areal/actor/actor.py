@@ -74,11 +74,9 @@ class Actor:
         self.ppo_cfg, self.groups = ppo_cfg, groups
         self.objective = PPOObjective.from_config(ppo_cfg)  # the loss and its corrections, built once
         self.dtype = self._dtype(model_cfg.dtype, groups)
-        chunks = build_model(arch, tp=groups.tp, pp=groups.pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
-                             sequence_parallel=parallel_cfg.sequence_parallel, dtype=self.dtype, seed=seed,
-                             device=groups.device, transformer_impl=model_cfg.transformer_impl, ep=groups.ep,
-                             etp=groups.etp, etp_rank=groups.etp_rank, aux_loss_coef=model_cfg.router_aux_loss_coef,
-                             recompute=model_cfg.recompute_activations)
+        chunks = build_model(arch, groups, sequence_parallel=parallel_cfg.sequence_parallel, dtype=self.dtype,
+                             seed=seed, transformer_impl=model_cfg.transformer_impl,
+                             aux_loss_coef=model_cfg.router_aux_loss_coef, recompute=model_cfg.recompute_activations)
         state = build_train_state(chunks, optimizer_cfg, groups, total_steps * ppo_cfg.n_minibatches)
         self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
         # shared prompt tokens need the local spec's attention (parallel.share_prompts)

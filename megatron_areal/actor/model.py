@@ -54,6 +54,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_areal.actor import packed_rope
 from megatron_areal.actor.attention import PackedCoreAttention
 from megatron_areal.actor.moe_compat import ensure_router_gemm_fallback
+from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.actor.swiglu import SwiGLU
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
@@ -270,19 +271,20 @@ def init_weights(chunks: list[GPTModel], arch: ModelArch, *, seed: int, tp: int,
             param.copy_(full.to(param.dtype))
 
 
-def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, tp_rank: int = 0,
-                sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, seed: int = 1,
-                device: torch.device | None = None, use_te: bool | None = None,
-                transformer_impl: str = "auto", ep: int = 1, etp: int = 1, etp_rank: int = 0,
-                aux_loss_coef: float | None = None, recompute: bool = False) -> list[GPTModel]:
-    """The GPTModel chunk of pipeline stage ``pp_rank``, randomly initialised from ``seed``.
+def build_model(arch: ModelArch, groups: ParallelGroups, *, sequence_parallel: bool = False,
+                dtype: torch.dtype = torch.float32, seed: int = 1, use_te: bool | None = None,
+                transformer_impl: str = "auto", aux_loss_coef: float | None = None,
+                recompute: bool = False) -> list[GPTModel]:
+    """This rank's GPTModel chunk in the layout of ``groups`` (its pipeline stage, its tensor- and
+    expert-parallel shards, on its device), randomly initialised from ``seed``.
 
-    Needs Megatron's parallel state for (tp, pp, ep, etp) initialised (``actor.parallel.init_parallel``).
-    The same seed gives the same full model at any TP/PP layout (``init_weights``). ``use_te``
-    forces the spec (benchmarks compare both); otherwise ``transformer_impl`` decides. ``recompute``:
-    activation recomputation (``transformer_config``).
+    ``groups`` is what ``actor.parallel.init_parallel`` returned: Megatron's parallel state for its
+    (tp, pp, ep, etp) is initialised. The same seed gives the same full model at any TP/PP layout
+    (``init_weights``). ``use_te`` forces the spec (benchmarks compare both); otherwise
+    ``transformer_impl`` decides. ``recompute``: activation recomputation (``transformer_config``).
     """
-    device = device or torch.device("cpu")
+    tp, pp, pp_rank, ep, etp = groups.tp, groups.pp, groups.pp_rank, groups.ep, groups.etp
+    device = groups.device
     on_gpu = device.type == "cuda"
     if use_te is None:
         use_te = use_transformer_engine(transformer_impl, on_gpu=on_gpu, sequence_parallel=sequence_parallel)
@@ -304,7 +306,8 @@ def build_model(arch: ModelArch, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
     model.rotary_pos_emb.inv_freq = rope_inv_freq(arch).to(device)
-    init_weights([model], arch, seed=seed, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, etp=etp, etp_rank=etp_rank)
+    init_weights([model], arch, seed=seed, tp=tp, tp_rank=groups.tp_rank, pp=pp, pp_rank=pp_rank, etp=etp,
+                 etp_rank=groups.etp_rank)
     model.to(device)
     log.info("built %s stage %d/%d: %.2fM parameters on this rank (%s spec)", arch.model_type, pp_rank, pp,
              sum(p.numel() for p in model.parameters()) / 1e6, "TE" if use_te else "local")

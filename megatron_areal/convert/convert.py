@@ -40,8 +40,7 @@ def save_hf_as_mcore_rank(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
     arch = load_arch(hf_dir)
     groups = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=etp)
     try:
-        chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
-                             dtype=getattr(torch, dtype), ep=ep, etp=etp, etp_rank=groups.etp_rank)
+        chunks = build_model(arch, groups, dtype=getattr(torch, dtype))
         load_hf_weights(chunks, hf_dir, arch, groups.tp_rank, groups.tp, etp_rank=groups.etp_rank, etp_size=etp)
         dist_ckpt.save_model(chunks, out_dir)
     finally:
