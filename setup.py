@@ -1,4 +1,12 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# the one megatron-core pin (megatron_areal/patches/version.py), read as text: setup imports nothing of the package
+MEGATRON_CORE_VERSION = re.search(r'^MEGATRON_CORE_VERSION = "([^"]+)"$',
+                                  (Path(__file__).parent / "megatron_areal/patches/version.py").read_text(),
+                                  re.M).group(1)
 
 setup(
     name="megatron-areal",
@@ -11,7 +19,7 @@ setup(
     install_requires=[
         # torch: the CPU install pins 2.13.0 (see README); the gpu extra pins the CUDA 13 build SGLang needs.
         "torch>=2.6",
-        "megatron-core==0.16.1",
+        f"megatron-core=={MEGATRON_CORE_VERSION}",
         "transformers>=4.50",
         "safetensors",
         "gguf",

@@ -19,7 +19,7 @@ range for Qwen3-MoE) rather than the tests' 1.0: top-k scores are then as close 
 initialised or trained model, which is where two engines' bf16 rounding picks different experts.
 
 Both engines load a bf16 checkpoint (``--checkpoint-dtype``, default bfloat16, as released Qwen3-MoE
-checkpoints are). Until the trainer's local-spec norms held their weights in bf16 (actor/rms_norm.py)
+checkpoints are). Until the trainer's local-spec norms held their weights in bf16 (patches/rms_norm.py)
 a float32 checkpoint gave them unrounded weights where the bf16 server rounds them (the
 "fp32 checkpoint" row below was measured then).
 

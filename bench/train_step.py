@@ -139,7 +139,7 @@ def main() -> None:
     from megatron_areal.model.assets import smollm2_path
 
     # Load the reference before init_parallel: transformers loaded after the CPU patch of
-    # megatron-core (actor/cpu_patch.py) gave NaN logits.
+    # megatron-core (patches/cpu_gloo.py) gave NaN logits.
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=dtype)
     # the correctness reference: fp32 transformers (for a bf16 run, both sides are held to bf16's own error)

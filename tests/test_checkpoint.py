@@ -188,8 +188,9 @@ def run_state_views_vs_gather(hf_dir: str) -> dict:
     tensors, against the state Megatron gathers into copies (what it saved before)."""
     from megatron_areal.actor.parallel import teardown_parallel
     from megatron_areal.checkpoint import dist_ckpt
-    from megatron_areal.checkpoint.training import _OPTIMIZER_META, _param_state_as_views
+    from megatron_areal.checkpoint.training import _OPTIMIZER_META
     from megatron_areal.model.weights import unwrap
+    from megatron_areal.patches.optimizer_state_views import param_state_as_views
 
     _, _, actor = _bf16_actor_after_a_step(hf_dir)
     model_sd = dist_ckpt.model_sharded_state_dict([unwrap(c) for c in actor.model])
@@ -197,7 +198,7 @@ def run_state_views_vs_gather(hf_dir: str) -> dict:
     for sub in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
         own = {t.data_ptr() for g in sub.optimizer.param_groups for p in g["params"]
                for t in (p, *(v for v in sub.optimizer.state[p].values() if v.dim()))}
-        views = _param_state_as_views(sub, model_sd)
+        views = param_state_as_views(sub, model_sd)
         gathered = sub.sharded_param_state_fully_reshardable(model_sd, False, dict(_OPTIMIZER_META))
         for (i, a), (j, b) in zip(sorted(views.items()), sorted(gathered.items()), strict=True):
             for key in sorted(set(a) | set(b)):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_areal.actor import cpu_patch
-from megatron_areal.actor.cpu_patch import SOURCE_EDITS, PatchError, SourceEdit, apply_cpu_patch, remove_cpu_patch
+from megatron_areal.patches import cpu_gloo
+from megatron_areal.patches.cpu_gloo import SOURCE_EDITS, PatchError, SourceEdit, apply_cpu_patch, remove_cpu_patch
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_moved_site_fails_loudly_and_leaves_nothing_patched(clean):
     zeros = torch.zeros
     with pytest.raises(PatchError, match="clip_grad_by_total_norm_fp32: expected 1 x .*the site moved"):
         apply_cpu_patch((*SOURCE_EDITS, moved))
-    assert torch.zeros is zeros and cpu_patch.active_patch() is None
+    assert torch.zeros is zeros and cpu_gloo.active_patch() is None
 
 
 def test_missing_target_fails_loudly(clean):
@@ -80,4 +80,4 @@ def test_other_megatron_version_is_refused(clean, monkeypatch):
     monkeypatch.setattr(package_info, "__version__", "0.17.0")
     with pytest.raises(PatchError, match="megatron-core 0.17.0 is installed.*0.16.1"):
         apply_cpu_patch()
-    assert cpu_patch.active_patch() is None
+    assert cpu_gloo.active_patch() is None

@@ -236,12 +236,12 @@ def case_precision_aware(rounding: str, tmp: str) -> dict:
     from contextlib import nullcontext
 
     from megatron_areal.checkpoint import training as checkpoint_module
-    upstream, as_views = actor(True, seed=7), checkpoint_module._state_as_views
-    checkpoint_module._state_as_views = lambda optimizer: nullcontext()
+    upstream, as_views = actor(True, seed=7), checkpoint_module.state_as_views
+    checkpoint_module.state_as_views = lambda optimizer: nullcontext()
     try:
         ckpt.load(ckpt.latest(), upstream.model, upstream.optimizer, upstream.scheduler)
     finally:
-        checkpoint_module._state_as_views = as_views
+        checkpoint_module.state_as_views = as_views
     out["equals_megatrons_load"] = all(torch.equal(x, y) for x, y in zip(
         state_tensors(upstream) + weights(upstream), state_tensors(other) + weights(other), strict=True))
     out["resumed_equal"] = _resumed_equal(ckpt, lean, actor(True, seed=9))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_areal.actor.rms_norm import RMSNorm, rms_norm
+from megatron_areal.patches.rms_norm import RMSNorm, rms_norm
 
 
 def _inputs(dtype: torch.dtype, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -354,7 +354,7 @@ def test_rms_norm_rounds_once_as_sglang_and_the_trainer_do() -> None:
     # bitwise on the machine this was written on; another CPU's kernel may sum the squares in
     # another order and round a rare output the other way, so at most 1% may differ (the
     # transformers form differs in about a quarter of them)
-    for weight in (w, w.float()):  # bf16 as the trainer's local-spec norm holds it (actor/rms_norm.py)
+    for weight in (w, w.float()):  # bf16 as the trainer's local-spec norm holds it (patches/rms_norm.py)
         ref = torch.rms_norm(x, (48,), weight, 1e-6)
         assert (out != ref).float().mean() <= 0.01
         assert (transformers_form != ref).float().mean() > 0.1

@@ -17,7 +17,7 @@ arguments and supports both layouts:
   lengths too.
 
 Rotary positions restart at 0 per sequence and a branch's continue from its shared tokens; they
-are applied before this module (actor/packed_rope.py), with ``max_seqlen_q`` as the table length.
+are applied before this module (megatron_areal/patches/packed_rope.py), with ``max_seqlen_q`` as the table length.
 Shapes: q ``[s, b, np, hn]`` / ``[t, np, hn]``; k, v with ``ng`` query groups (GQA).
 """
 from __future__ import annotations

@@ -83,7 +83,7 @@ class OptimizerConfig:
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # decays to min_lr at the last step
     distributed: bool = True  # Megatron's distributed optimizer (shards state across DP)
     # how bf16 weights follow their fp32 master after each step: nearest (Megatron's), or stochastic,
-    # whose expected value is the master, so small lr steps reach the policy (actor/bf16_rounding.py)
+    # whose expected value is the master, so small lr steps reach the policy (megatron_areal/patches/bf16_rounding.py)
     bf16_rounding: Literal["nearest", "stochastic"] = "nearest"
     # Megatron's precision-aware distributed optimizer (actor/precision_adam.py): the fp32 master weights
     # kept as the bf16 weights plus 16-bit remainders (no fp32 copy), and gradients and Adam moments in the

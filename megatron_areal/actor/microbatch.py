@@ -49,7 +49,7 @@ class PackedMicroBatch:
 
     def packed_seq_params(self) -> PackedSeqParams:
         if any(c >= 0 for c in self.continues):
-            # the rotary table reads the positions from here (actor/packed_rope.py)
+            # the rotary table reads the positions from here (megatron_areal/patches/packed_rope.py)
             self.cu_seqlens.positions = self.position_ids[0]
         return SharedPrefixParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                   max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,

@@ -51,15 +51,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_areal.actor import packed_rope
 from megatron_areal.actor.attention import PackedCoreAttention
-from megatron_areal.actor.moe_compat import ensure_router_gemm_fallback
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.actor.swiglu import SwiGLU
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import SUPPORTED_MODEL_TYPES, ModelArch, UnsupportedModelError
 from megatron_areal.model.rope import rope_inv_freq
 from megatron_areal.model.weights import expert_offset
+from megatron_areal.patches import packed_rope
+from megatron_areal.patches.moe_router import ensure_router_gemm_fallback
 from megatron_areal.util.compute_dtype import runnable_dtype
 
 log = logging.getLogger(__name__)

@@ -7,11 +7,8 @@ in sync; a plain torch optimizer drifts. Gradients are averaged over DP ranks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-import megatron.core.optimizer as mcore_optimizer
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -19,10 +16,11 @@ from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_areal.actor.bf16_rounding import use_stochastic_rounding
 from megatron_areal.actor.config import OptimizerConfig
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.actor.precision_adam import PrecisionAwareAdam
+from megatron_areal.patches.bf16_rounding import use_stochastic_rounding
+from megatron_areal.patches.precision_aware_without_te import inner_adam
 
 
 @dataclass
@@ -84,22 +82,8 @@ def _precision_aware_optimizer(mcfg: McoreOptimizerConfig, model: list[Distribut
     mcfg.main_grads_dtype, mcfg.exp_avg_dtype, mcfg.exp_avg_sq_dtype = (
         getattr(torch, name) for name in (opt.main_grads_dtype, opt.exp_avg_dtype, opt.exp_avg_sq_dtype))
     adam = functools.partial(PrecisionAwareAdam, rounding=rounding, seed=torch.initial_seed())
-    with _inner_adam(adam):
+    with inner_adam(adam):
         return get_megatron_optimizer(mcfg, model, use_gloo_process_groups=use_gloo)
-
-
-@contextmanager
-def _inner_adam(adam) -> Iterator[None]:
-    """While inside, ``get_megatron_optimizer`` builds ``adam`` as TE's FusedAdam (keyword arguments included)."""
-    names = ("Adam", "USING_PYTORCH_OPTIMIZER", "is_te_min_version")
-    saved = [getattr(mcore_optimizer, n) for n in names]
-    for name, value in zip(names, (adam, False, lambda *a, **k: True), strict=True):
-        setattr(mcore_optimizer, name, value)
-    try:
-        yield
-    finally:
-        for name, value in zip(names, saved, strict=True):
-            setattr(mcore_optimizer, name, value)
 
 
 def current_lr(optimizer: MegatronOptimizer) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_areal.actor.cpu_patch import apply_cpu_patch
+from megatron_areal.patches.cpu_gloo import apply_cpu_patch
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ Master weights as remainders (FusedAdam's ``store_param_remainders``): an fp32 m
 bf16 weight only in the low 16 bits of its bit pattern, so it is stored as the bf16 weight plus a 16-bit
 signed remainder: 2 bytes a parameter instead of 4. With ``rounding="nearest"`` the weight is the
 master rounded to nearest; with ``rounding="stochastic"`` it rounds up with probability equal to the
-dropped fraction, so its expected value is the master (actor/bf16_rounding.py says why small steps
+dropped fraction, so its expected value is the master (megatron_areal/patches/bf16_rounding.py says why small steps
 need that). The distance from a stochastically rounded weight to its master takes 17 bits, so in
 either mode the stored master keeps 22 of fp32's 23 mantissa bits (its last bit rounded to nearest):
 a relative spacing of 2^-22, thousands of times finer than a step of Adam at lr 1e-5. bf16 moments are

@@ -5,7 +5,7 @@ sample recomputes the prompt in every layer: on the main job (prompts of about 5
 of about 30) that is more than half the trainer's tokens. A *unit* packs the shared tokens once and
 then each member's remainder (its *branch*); the actor's attention lets every branch attend to the
 shared tokens before its own (actor/attention.py), rotary positions continue from them
-(actor/packed_rope.py), and gradients of the shared tokens sum over the branches, as they would
+(megatron_areal/patches/packed_rope.py), and gradients of the shared tokens sum over the branches, as they would
 over the repeated copies.
 
 Only positions that no member trains on are shared: the shared tokens ``S[:s]`` give the values

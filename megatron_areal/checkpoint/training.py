@@ -22,7 +22,6 @@ node that died mid-copy is skipped with a warning naming the file, and the previ
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
@@ -30,7 +29,6 @@ import re
 import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,8 @@ from megatron_areal.checkpoint.write_error import CheckpointWriteError, describe
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.hf_io import HFReader
 from megatron_areal.model.weights import unwrap
+from megatron_areal.patches.checkpoint_writer import written_in_place
+from megatron_areal.patches.optimizer_state_views import state_as_views
 from megatron_areal.util.heap import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -164,58 +164,6 @@ def _load_optimizer(optimizer: Any, state: Any) -> None:
         optimizer._synchronize_steps()
 
 
-def _param_state_as_views(opt: Any, model_sharded_state_dict: Any, is_loading: bool = False,
-                          metadata: dict | None = None) -> dict[int, dict[str, Any]]:
-    """Megatron's ``fully_reshardable`` parameter state of a distributed optimizer at DP size 1, without copies.
-
-    To save that format Megatron gathers every rank's fp32 master weights and Adam moments into new
-    whole-model tensors (three copies, then the pieces, then their concatenation: about 4 GiB transient
-    for a 135M model); to load it, it allocates the same fp32 whole-model tensors to read into (about 1.5
-    GiB) and then copies them into the optimizer. At DP size 1 the rank holds each parameter's whole
-    state already, so the same sharded tensors (keys, shapes, replica ids) are views of the optimizer's
-    own tensors: a save reads from them and a load writes into them.
-    """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-
-    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
-    by_param = {sh.data: sh for sh in nested_values(sharded)}
-    out: dict[int, dict[str, Any]] = {}
-    for buffer in opt.buffers:
-        for model_param in buffer.param_index_map:
-            meta = by_param[model_param]
-            tensors = {}
-            for key, value in opt._get_main_param_and_optimizer_states(model_param).items():
-                if key == "step":
-                    continue  # travels in the param groups
-                view = value.detach().view(meta.data.shape)
-                kwargs = dict(key=f"optimizer.state.{key}.{meta.key}", data=view, dtype=view.dtype,
-                              replica_id=meta.replica_id)
-                if isinstance(meta, ShardedTensorFactory):
-                    kwargs.pop("dtype")
-                tensors[key] = replace(meta, **kwargs)
-                tensors[key].validate_metadata_integrity()
-            out[len(out)] = tensors
-    return out
-
-
-@contextmanager
-def _state_as_views(optimizer: Any) -> Iterator[None]:
-    """Distributed optimizers at DP size 1 describe their state with ``_param_state_as_views`` meanwhile."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    patched = [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
-               if isinstance(sub, DistributedOptimizer) and sub.data_parallel_group.size() == 1]
-    for sub in patched:
-        sub.sharded_param_state_fully_reshardable = functools.partial(_param_state_as_views, sub)
-    try:
-        yield
-    finally:
-        for sub in patched:
-            del sub.sharded_param_state_fully_reshardable
-
-
 @contextmanager
 def _fp32_masters(optimizer: Any) -> Iterator[None]:
     """While saving or loading, precision-aware optimizers (actor/precision_adam.py) hold their masters in fp32,
@@ -245,42 +193,6 @@ def _grad_buffers_released(model: list[torch.nn.Module]) -> Iterator[None]:
             c.restore_grad_buffers(synchronize=False)
 
 
-def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (contiguous, CPU) as a tensor over the same memory whose storage is exactly its own bytes: what
-    ``torch.save`` writes of it is then the tensor, not the larger storage it may be a view of."""
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return torch.from_numpy(flat.numpy()).view(tensor.dtype).view(tensor.shape)
-
-
-@contextmanager
-def _written_in_place() -> Iterator[None]:
-    """Megatron's checkpoint writer clones every CPU tensor that is a view into a larger storage before it
-    forks its writer processes, since ``torch.save`` would write the whole storage: our weights are views of
-    the DDP parameter buffer and Megatron's SwiGLU factories cut the input projection's weight, master and
-    moments into halves, so a save copied most of the state it wrote (0.65 GiB for SmolLM2-135M). Handed
-    ``_exact_storage`` aliases instead, it writes the same bytes from the tensors themselves. A save is
-    synchronous and its writers are forked, so nothing changes them while they are written."""
-    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
-
-    own = MCoreSavePlanner.__dict__.get("resolve_data")
-    resolve = MCoreSavePlanner.resolve_data
-
-    def resolve_in_place(self: Any, write_item: Any) -> Any:
-        data = resolve(self, write_item)
-        if isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.is_contiguous():
-            return _exact_storage(data)
-        return data
-
-    MCoreSavePlanner.resolve_data = resolve_in_place
-    try:
-        yield
-    finally:
-        if own is None:
-            del MCoreSavePlanner.resolve_data
-        else:
-            MCoreSavePlanner.resolve_data = own
-
-
 class Checkpointer:
     """Save and resume the training state of one run under ``root`` (collective calls)."""
 
@@ -302,7 +214,7 @@ class Checkpointer:
         model_sd = dist_ckpt.model_sharded_state_dict(chunks)
         state: dict[str, Any] = {"model": model_sd}
         if optimizer is not None:  # its state exists: ``_fp32_masters`` made it
-            with _state_as_views(optimizer):
+            with state_as_views(optimizer):
                 state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                                   metadata=_OPTIMIZER_META)
         if scheduler is not None:
@@ -354,7 +266,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.api import CheckpointException
 
         with _grad_buffers_released(model):
-            with _fp32_masters(optimizer), _written_in_place():
+            with _fp32_masters(optimizer), written_in_place():
                 state = self._state(model, optimizer, scheduler, is_loading=False, with_rng=True)
                 state["extra"] = extra or {}
                 state["step"] = step

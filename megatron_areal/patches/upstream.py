@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_areal.actor.cpu_patch import SOURCE_EDITS
+from megatron_areal.patches.cpu_gloo import SOURCE_EDITS
+from megatron_areal.patches.version import MEGATRON_CORE_VERSION
 
-MEGATRON_CORE = ("megatron-core", "0.16.1")
+MEGATRON_CORE = ("megatron-core", MEGATRON_CORE_VERSION)
 
 
 class UpstreamChanged(RuntimeError):
@@ -35,7 +37,7 @@ class Change:
 
     name: str
     upstream: str  # the distribution, as pip names it
-    version: str  # the version the change is written against (also pinned in setup.py)
+    version: str  # the version the change is written against (patches/version.py; setup.py reads it)
     why: str
     applied_by: str  # repository path of the module that applies it, and when
     expects: tuple[Expect, ...]
@@ -49,18 +51,18 @@ CHANGES: tuple[Change, ...] = (
     Change("cpu-gloo", *MEGATRON_CORE,
            why="megatron-core assumes CUDA (device='cuda' allocations, the CUDA RNG tracker, CUDA type-name "
                "checks, gloo's equal-size all_gather); redirected so TP/PP/DP/EP/SP run on CPU with gloo",
-           applied_by="megatron_areal/actor/cpu_patch.py: apply_cpu_patch(), by init_parallel on gloo only",
+           applied_by="megatron_areal/patches/cpu_gloo.py: apply_cpu_patch(), by init_parallel on gloo only",
            expects=tuple(Expect(edit.module, edit.old) for edit in SOURCE_EDITS)),
     Change("moe-router-without-te", *MEGATRON_CORE,
            why="RouterGatingLinearFunction tests te_general_gemm, which moe_utils defines only when Transformer "
                "Engine imports; defined as None, the router takes its own torch.mm branch",
-           applied_by="megatron_areal/actor/moe_compat.py: ensure_router_gemm_fallback(), by build_model for MoE",
+           applied_by="megatron_areal/patches/moe_router.py: ensure_router_gemm_fallback(), by build_model for MoE",
            expects=(Expect(_MOE_UTILS, "class RouterGatingLinearFunction(torch.autograd.Function):"),
                     Expect(_MOE_UTILS, "if te_general_gemm is not None and router_dtype != torch.float64:"))),
     Change("packed-rope-table", *MEGATRON_CORE,
            why="the reference thd rotary path rebuilds cos/sin for every q and k of every layer; the same values "
                "from one table per micro-batch (a fifth of the CPU forward)",
-           applied_by="megatron_areal/actor/packed_rope.py: install(), by build_model for the local spec",
+           applied_by="megatron_areal/patches/packed_rope.py: install(), by build_model for the local spec",
            expects=(Expect(_ROPE, "def _apply_rotary_pos_emb_thd(\n    t: Tensor,\n    cu_seqlens: Tensor,\n"
                                   "    freqs: Tensor,\n    rotary_interleaved: bool = False,\n"
                                   "    multi_latent_attention: bool = False,\n    mscale: float = 1.0,\n"),
@@ -69,7 +71,7 @@ CHANGES: tuple[Change, ...] = (
     Change("bf16-stochastic-rounding", *MEGATRON_CORE,
            why="an update of about lr is below bf16's spacing, so round-to-nearest from the fp32 master drops most "
                "updates; the distributed optimizer's master-to-bf16 copy is redone with stochastic rounding",
-           applied_by="megatron_areal/actor/bf16_rounding.py: use_stochastic_rounding(), by build_train_state "
+           applied_by="megatron_areal/patches/bf16_rounding.py: use_stochastic_rounding(), by build_train_state "
                       "(optimizer.bf16_rounding: stochastic)",
            expects=(Expect(_DISTRIB, "def _copy_main_params_to_model_params(self):"),
                     Expect(_DISTRIB, "def _get_model_param_range_map(self, param: torch.nn.Parameter):"),
@@ -79,8 +81,8 @@ CHANGES: tuple[Change, ...] = (
     Change("precision-aware-adam-without-te", *MEGATRON_CORE,
            why="megatron-core enables its precision-aware distributed optimizer only with Transformer Engine's "
                "FusedAdam; our PrecisionAwareAdam is handed in where get_megatron_optimizer looks for it",
-           applied_by="megatron_areal/actor/optim.py: _inner_adam(), while build_train_state builds the "
-                      "optimizer (optimizer.precision_aware: true)",
+           applied_by="megatron_areal/patches/precision_aware_without_te.py: inner_adam(), while build_train_state "
+                      "builds the optimizer (optimizer.precision_aware: true)",
            expects=(Expect("megatron.core.optimizer", "USING_PYTORCH_OPTIMIZER = True"),
                     Expect("megatron.core.optimizer", "if USING_PYTORCH_OPTIMIZER:"),
                     Expect("megatron.core.optimizer", 'is_te_min_version("2.1.0.dev0")'),
@@ -88,11 +90,23 @@ CHANGES: tuple[Change, ...] = (
     Change("checkpoint-writes-in-place", *MEGATRON_CORE,
            why="the async checkpoint writer clones every CPU tensor that views a larger storage before forking; "
                "handed exact-storage aliases it writes the same bytes without the copies",
-           applied_by="megatron_areal/checkpoint/training.py: _written_in_place(), around each save",
+           applied_by="megatron_areal/patches/checkpoint_writer.py: written_in_place(), by the Checkpointer around "
+                      "each save",
            expects=(Expect("megatron.core.dist_checkpointing.strategies.torch",
                            "class MCoreSavePlanner(DefaultSavePlanner):"),
                     Expect("megatron.core.dist_checkpointing.strategies.filesystem_async",
                            "_clone_if_needed(planner.resolve_data(item))"))),
+    Change("optimizer-state-views", *MEGATRON_CORE,
+           why="at data-parallel size 1 the distributed optimizer gathers its whole fp32 state into new tensors to "
+               "save it and allocates them again to load; views of its own tensors describe the same state",
+           applied_by="megatron_areal/patches/optimizer_state_views.py: state_as_views(), by the Checkpointer "
+                      "around each save and load",
+           expects=(Expect(_DISTRIB, "def sharded_param_state_fully_reshardable(\n        self,\n"
+                                     "        model_sharded_state_dict: ShardedStateDict,\n"
+                                     "        is_loading: bool = False,\n        metadata: Optional[dict] = None,\n"),
+                    Expect(_DISTRIB, "param_state = self.sharded_param_state_fully_reshardable(\n"
+                                     "                model_sharded_state_dict, is_loading, metadata\n"),
+                    Expect(_DISTRIB, "def _get_main_param_and_optimizer_states(self, model_param):"))),
 )
 
 
@@ -104,16 +118,18 @@ def source_of(module: str) -> str:
     return Path(spec.origin).read_text()
 
 
-def problems(change: Change) -> list[str]:
-    """What no longer holds for ``change`` in the installed upstream; empty when all does."""
+def problems(change: Change, installed: str | None = None) -> list[str]:
+    """What no longer holds for ``change`` in the installed upstream; empty when all does. ``installed``: the
+    upstream's version as installed (read from its distribution's metadata when None)."""
     found = []
-    try:
-        installed = importlib.metadata.version(change.upstream)
-    except importlib.metadata.PackageNotFoundError:
-        return [f"{change.name}: {change.upstream} is not installed"]
+    if installed is None:
+        try:
+            installed = importlib.metadata.version(change.upstream)
+        except importlib.metadata.PackageNotFoundError:
+            return [f"{change.name}: {change.upstream} is not installed"]
     if installed != change.version:
         found.append(f"{change.name}: {change.upstream} {installed} is installed; the change is written against "
-                     f"{change.version} ({change.applied_by})")
+                     f"{change.version} ({change.applied_by}; pip install {change.upstream}=={change.version})")
     sources: dict[str, str] = {}
     for expect in change.expects:
         try:
@@ -126,9 +142,13 @@ def problems(change: Change) -> list[str]:
     return found
 
 
-def check(changes: tuple[Change, ...] = CHANGES) -> None:
-    """Raise ``UpstreamChanged`` listing every fact that no longer holds."""
-    found = [p for change in changes for p in problems(change)]
+def check(changes: tuple[Change, ...] | None = None, installed: Mapping[str, str] | None = None) -> None:
+    """Raise ``UpstreamChanged`` listing every fact that no longer holds for ``changes`` (all of ``CHANGES``
+    when None, read at the call). ``installed`` maps a distribution to its version where the caller knows it
+    (else the installed metadata is read). The trainer runs this before it starts (``trainer/__main__.py``)."""
+    installed = installed or {}
+    found = [p for change in (CHANGES if changes is None else changes)
+             for p in problems(change, installed.get(change.upstream))]
     if found:
         raise UpstreamChanged("the installed upstream differs from what our changes are written against:\n  "
                               + "\n  ".join(found))

@@ -1,7 +1,9 @@
 """Entry point of every trainer rank (run under torchrun, or alone for a world of one).
 
 ``python -m megatron_areal.trainer --plan RUN_DIR/plan.json CONFIG [key=value ...]``
-waits for the rollout servers of the plan to register, then hands over to the training loop. The API
+checks that the installed megatron-core is the one our changes to it are written against
+(``patches/upstream.py``; a mismatch stops the rank with an error naming it), waits for the rollout servers
+of the plan to register, then hands over to the training loop. The API
 key comes from ``MEGATRON_AREAL_API_KEY`` (run/secrets.py); SIGUSR1 asks for a checkpoint and a stop.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 from megatron_areal.config import load_config
+from megatron_areal.patches import upstream
 from megatron_areal.run.control import checkpoint_on_usr1
 from megatron_areal.run.plan import Plan
 from megatron_areal.run.registry import wait_for_servers
@@ -33,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    upstream.check()  # before anything runs on a megatron-core our patches do not fit
     cfg = apply_env_api_key(load_config(args.config, args.overrides))
     checkpoint_on_usr1(cfg.train.run_dir, f"trainer rank {rank}")  # any rank's USR1 asks for one
     if rank == "0":

@@ -35,9 +35,11 @@ from typing import Any
 
 import torch
 
+from megatron_areal.patches.version import MEGATRON_CORE_VERSION
+
 log = logging.getLogger(__name__)
 
-PINNED_VERSION = "0.16.1"
+PINNED_VERSION = MEGATRON_CORE_VERSION
 
 
 class PatchError(RuntimeError):
@@ -92,7 +94,7 @@ SOURCE_EDITS: tuple[SourceEdit, ...] = (
     SourceEdit("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
                "return norm_cls(normalized_shape=hidden_size, eps=eps)",
                "return _local_spec_norm(config, norm_cls, hidden_size, eps)",
-               "RMSNorm weights in params_dtype with a lean backward (actor/rms_norm.py), marked for SP"),
+               "RMSNorm weights in params_dtype with a lean backward (patches/rms_norm.py), marked for SP"),
     # The MoE all-to-all dispatcher turns its split sizes into host numpy arrays through this
     # helper, which skips tensors that are not on CUDA; torch.distributed.all_to_all_single then
     # refuses the CPU tensors as split sizes ("incompatible function arguments").
@@ -116,7 +118,7 @@ def _local_spec_norm(config: Any, norm_cls: type, hidden_size: int, eps: float) 
     have it, and a lean backward), torch's otherwise. Its weights are tagged so finalize_model_grads
     all-reduces their grads over the TP group, which sequence parallelism needs because each TP rank
     normalised only its slice of the sequence."""
-    from megatron_areal.actor.rms_norm import RMSNorm
+    from megatron_areal.patches.rms_norm import RMSNorm
 
     if norm_cls is torch.nn.RMSNorm:
         norm = RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)

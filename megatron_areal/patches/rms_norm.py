@@ -1,4 +1,5 @@
-"""RMSNorm for the local (non-Transformer-Engine) spec: weights in the model's dtype, lean backward.
+"""RMSNorm for the local (non-Transformer-Engine) spec: weights in the model's dtype, lean backward. Part of the
+``cpu-gloo`` change: ``cpu_gloo.py`` builds it where megatron-core's local spec builds ``torch.nn.RMSNorm``.
 
 Megatron's local spec builds ``torch.nn.RMSNorm``, which has two costs on CPU:
 
