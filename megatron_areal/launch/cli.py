@@ -2,6 +2,8 @@
 
 - ``--dry-run [--nodes N --gpus-per-node G]``: print the placement and the checks; start nothing.
 - ``--slurm``: the batch step of an sbatch job (what ``slurm/*.sh`` run): srun each role.
+- ``--node-role trainer|rollout``: one node of a run without Slurm (what ``launch/*_node.sh`` run), placed by
+  the environment (``launch/env_node.py``).
 - otherwise: everything on this machine (servers, then the trainer), stopped together on Ctrl-C.
 """
 from __future__ import annotations
@@ -54,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, help="nodes to plan for (--dry-run outside an allocation)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node to plan for (--dry-run)")
     p.add_argument("--slurm", action="store_true", help="run as the batch step of an sbatch job")
+    p.add_argument("--node-role", choices=["trainer", "rollout"],
+                   help="run this node's share of one role of a multi-node run without Slurm, placed by the "
+                        "environment (NNODES, NODE_RANK, MASTER_ADDR, ...: README, Clusters without Slurm)")
     return p
 
 
@@ -69,6 +74,9 @@ def main(argv: list[str]) -> int:
         from megatron_areal.launch.commands import resolved_model_path
         model_dir = resolved_model_path(cfg)  # once, for servers and trainer alike
         overrides = [*args.overrides, f"model.path={model_dir}"]
+        if args.node_role:
+            from megatron_areal.launch.env_node import run_node
+            return run_node(cfg, args.config, overrides, args.node_role, eta_is_explicit(args.config, args.overrides))
         if args.slurm:
             from megatron_areal.launch.slurm import run_slurm
             return run_slurm(cfg, args.config, overrides, eta_is_explicit(args.config, args.overrides))
