@@ -74,8 +74,6 @@ class Config:
 
     def validate(self) -> None:
         """Checks across sections (each section validates itself first)."""
-        require(self.staleness.overlap or self.staleness.eta == 0, "staleness.overlap",
-                "false (synchronous mode) requires staleness.eta = 0")
         require(not self.ppo.routing_replay or self.rollout.return_routed_experts, "ppo.routing_replay",
                 "true requires rollout.return_routed_experts: true (the rollout's routes are what the trainer replays)")
         longest = min(self.server.context_length or self.model.max_seq_len, self.model.max_seq_len)

@@ -1,6 +1,7 @@
 """The staleness gate: the admission rule, its bookkeeping, and impossible states."""
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -67,7 +68,7 @@ def test_submit_without_capacity_and_backwards_version_raise():
         gate.on_submit()
     with pytest.raises(GateError, match="backwards"):
         gate.on_version(2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="eta must be >= 0, got -1"):
         StalenessGate(eta=-1, batch_size=1, max_concurrent=1)
 
 
@@ -110,3 +111,22 @@ def test_listener_sees_capacity_before_each_event():
     gate.on_submit()
     gate.on_accept()
     assert seen == [("submit", 1, 2), ("submit", 2, 1), ("accept", 1, 0)]
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["staleness.eta=-1"], "staleness.eta: must be >= 0"),
+    (["staleness.overlap=false", "staleness.eta=2"], "staleness.overlap: false (synchronous mode) requires"),
+])
+def test_a_bad_staleness_section_is_refused_by_its_one_check(overrides: list[str], named: str) -> None:
+    """The section's own ``validate`` holds both rules on eta: at load, and for a section built in code that
+    reaches the rollout controller without being loaded."""
+    from megatron_areal.config import load_config
+    from megatron_areal.configbase import ConfigError
+    from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
+    from megatron_areal.rollout.controller import RolloutController
+
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(None, overrides)
+    section = StalenessConfig(eta=int(overrides[-1].split("=")[1]), overlap="overlap=false" not in overrides[0])
+    with pytest.raises(ConfigError, match=re.escape(named.removeprefix("staleness."))):
+        RolloutController(RolloutConfig(), section, ["http://127.0.0.1:9"], [], list, str, None)

@@ -29,9 +29,7 @@ class ReplayBuffer:
     """Thread-safe store of finished groups with the admission rule of the staleness bound."""
 
     def __init__(self, eta: int, filter_equal_rewards: bool = False) -> None:
-        if eta < 0:
-            raise ValueError(f"ReplayBuffer: eta must be >= 0, got {eta}")
-        self.eta = eta
+        self.eta = eta  # checked where the run configures it (``StalenessConfig.validate``) and by the gate
         self.filter_equal_rewards = filter_equal_rewards
         self._groups: list[tuple[int, Group]] = []  # (arrival sequence number, group)
         self._seq = 0

@@ -64,3 +64,4 @@ class StalenessConfig:
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.eta >= 0, "eta", "must be >= 0")
+        require(self.overlap or self.eta == 0, "overlap", "false (synchronous mode) requires staleness.eta = 0")

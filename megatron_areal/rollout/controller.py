@@ -45,8 +45,7 @@ class RolloutController:
                  prompts: PromptSourceLike, encode: Callable[[PromptLike], list[int]],
                  decode: Callable[[list[int]], str], scorer: ScorerLike, *, api_key: str | None = None,
                  version: int = 0, episodes: EpisodesLike | None = None) -> None:
-        if not staleness.overlap and staleness.eta != 0:
-            raise ValueError("staleness.overlap = false (synchronous mode) requires staleness.eta = 0")
+        staleness.validate()  # the one check of eta (a section built in code has not been through load_config)
         if not (servers.urls if isinstance(servers, Fleet) else servers):
             raise ValueError("RolloutController: no rollout server URLs given")
         self._core = RolloutLoop(rollout, staleness.eta, prompts, encode, decode, scorer, version=version,
@@ -137,10 +136,6 @@ class RolloutController:
     def drop_server(self, url: str, reason: str) -> None:
         """Route nothing more to ``url`` (``Fleet.drop``); from any thread but the fleet's loop."""
         self._running_fleet().drop(url, reason)
-
-    def add_server(self, url: str) -> None:
-        """Route to ``url`` again (``Fleet.join``); from any thread but the fleet's loop."""
-        self._running_fleet().join(url)
 
     def _running_fleet(self) -> Fleet:
         if self._fleet is None:

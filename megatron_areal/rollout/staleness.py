@@ -53,9 +53,7 @@ class StalenessGate:
     """Thread-safe counts of groups plus the admission rule ``staleness_capacity``."""
 
     def __init__(self, eta: int, batch_size: int, max_concurrent: int, version: int = 0) -> None:
-        if eta < 0 or batch_size < 1 or max_concurrent < 1 or version < 0:
-            raise ValueError(f"StalenessGate: bad arguments eta={eta} batch_size={batch_size} "
-                             f"max_concurrent={max_concurrent} version={version}")
+        staleness_capacity(eta, version, batch_size, 0, 0, max_concurrent)  # raises on what the rule refuses
         self.eta = eta
         self.batch_size = batch_size
         self.max_concurrent = max_concurrent

@@ -79,10 +79,6 @@ class ConnectionGuard:
         if self._sweeper is not None:
             self._sweeper.cancel()
 
-    @property
-    def open_connections(self) -> int:
-        return len(self._open)
-
     def limit(self) -> int:
         """``max_connections``, at most half the current soft file limit (the rest is the process's own)."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
