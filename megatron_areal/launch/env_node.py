@@ -140,27 +140,26 @@ def run_node(cfg: Config, config_path: str, overrides: list[str], role: str, eta
                           "rollout node(s):\n  " + "\n  ".join(plan.errors))
     run = RunDir.of(cfg).resolved()
     run.root.mkdir(parents=True, exist_ok=True)
-    first = node.role == "trainer" and node.rank == 0
-    if first:
+    if node.role == "trainer" and node.rank == 0:
         clear_requests(run.root)
-        plan_path = run.plan
-    else:  # the plan with this node's address: its own copy, in a node-local directory laid out as a run's
-        plan_path = RunDir(tempfile.mkdtemp(prefix="megatron-areal-node-")).plan
-    plan.save(plan_path)
     if role == "rollout":  # an earlier attempt's registrations of this node's servers name dead processes
         for slot in plan.servers_on(node.name):
             (run.servers / slot.id).unlink(missing_ok=True)
-    args = argparse.Namespace(role=role, plan=str(plan_path), config=config_path,
-                              overrides=public_overrides(overrides))
     checkpoint_on_usr1(cfg.train.run_dir, f"the {node.name} node")
     logger.info("%s node %d of %d (%s): %s", role, node.rank, getattr(node, f"{role}_nodes"), node.addr,
                 ", ".join(s.id for s in plan.servers_on(node.name)) if role == "rollout"
                 else f"trainer ranks {node.rank * plan.trainer.nproc_per_node}.."
                      f"{(node.rank + 1) * plan.trainer.nproc_per_node - 1}")
-    agent = run_rollout if role == "rollout" else run_trainer_node
-    try:
-        with supervised(ProcessSet(run.logs, cfg.cluster.stop_grace_s)) as procs:
-            return agent(plan, node.name, cfg, args, procs)
-    except Stopped as e:
-        logger.warning("%s on %s: stopped this node's %s processes", e, node.name, role)
-        return e.code
+    with tempfile.TemporaryDirectory(prefix="megatron-areal-node-") as local:
+        # the first trainer node's plan is the run's; any other node's knows its own address: a node-local copy
+        plan_path = run.plan if node.role == "trainer" and node.rank == 0 else RunDir(local).plan
+        plan.save(plan_path)
+        args = argparse.Namespace(role=role, plan=str(plan_path), config=config_path,
+                                  overrides=public_overrides(overrides))
+        agent = run_rollout if role == "rollout" else run_trainer_node
+        try:
+            with supervised(ProcessSet(run.logs, cfg.cluster.stop_grace_s)) as procs:
+                return agent(plan, node.name, cfg, args, procs)
+        except Stopped as e:
+            logger.warning("%s on %s: stopped this node's %s processes", e, node.name, role)
+            return e.code
