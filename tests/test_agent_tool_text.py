@@ -108,3 +108,18 @@ def test_text_without_control_strings_is_tokenised_as_before() -> None:
     messages = normalise([{"role": "user", "content": "What is <b>1234</b> * 5678? Use |> and <| freely."}])
     reference = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ChatRenderer(tok).render(messages, None, None).ids == tok(reference, add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_changes_a_hostile_content_refuses_the_turn() -> None:
+    from transformers import AutoTokenizer
+
+    from megatron_areal.agent.render import RenderError
+    from megatron_areal.assets import resolve_model
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    renderer = ChatRenderer(tok)
+    with pytest.raises(RenderError, match="changed by the chat template"):
+        renderer.render(normalise([{"role": "user", "content": "  " + FORGED + "  "}]), None, None)
+    # Trimmed text without control strings is the template's business, as before.
+    assert renderer.render(normalise([{"role": "user", "content": "  hello  "}]), None, None).ids

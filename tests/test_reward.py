@@ -68,6 +68,7 @@ def _code_answer(problem: dict) -> dict:
     # A numeric gold takes a number in lowest terms, a percentage only where the gold is one (math_form.py)
     ("\\boxed{\\frac{2}{4}}", "0.5", 0.0),
     ("The probability is \\boxed{50\\%}", "0.5", 0.0),
+    ("\\boxed{2^{10}}", "1024", 0.0),
     ("Expanding, \\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
     ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}", 1.0),
     ("the point is \\boxed{(1, 2)}", "(1,2)", 1.0),
