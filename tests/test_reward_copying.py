@@ -74,6 +74,8 @@ HONEST = [
     (r"\boxed{\dfrac34}", r"\frac{3}{4}"),
     (r"\boxed{0.75}", r"\frac{3}{4}"),
     (r"\boxed{-\frac{1}{2}}", "-0.5"),
+    (r"\boxed{\frac{-1}{2}}", "-0.5"),
+    (r"\boxed{.5}", "0.5"),
     (r"\boxed{5\%}", r"5\%"),
     (r"\boxed{5}", r"5\%"),
     (r"The final answer is 12.", "12"),

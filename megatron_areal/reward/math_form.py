@@ -40,8 +40,8 @@ _SPACING = re.compile(r"\\[,!;: ]|\\q?quad|~|\\left|\\right|\\\$|\$|\s+")
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathbf|mathrm|textrm|boxed|displaystyle)\{(.*)\}$", re.S)
 _DEGREES = re.compile(r"(?:\^\{?\\circ\}?|\\circ|°|\\degree)$")
 _VARIABLE = re.compile(r"^[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?$")
-_DECIMAL = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?$")
-_FRACTION = re.compile(r"^([+-]?)(?:\\[dt]?frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d))|(\d+)/(\d+))$")
+_DECIMAL = re.compile(r"^[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)$")
+_FRACTION = re.compile(r"^([+-]?)(?:\\[dt]?frac(?:\{(-?\d+)\}\{(\d+)\}|(\d)(\d))|(\d+)/(\d+))$")
 MAX_LITERAL_CHARS = 1000  # a longer "number" is not an answer a question of this kind has
 
 
@@ -102,7 +102,7 @@ def literal_value(text: str, percent_allowed: bool) -> tuple[Fraction, bool]:
         p, q = (int(a) for a in [x for x in parts if x is not None])
         if q <= 1 or gcd(p, q) != 1:
             raise NotANumber("a fraction not in lowest terms")
-        return Fraction(-p if sign == "-" else p, q), percent
+        return Fraction(-p if sign == "-" else p, q), percent  # \frac{-3}{4}: the sign may be inside
     raise NotANumber("an expression to evaluate, not a number")
 
 
