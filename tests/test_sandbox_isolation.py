@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import shutil
 import threading
@@ -177,3 +178,16 @@ def test_a_fork_bomb_beside_a_correct_answer_does_not_fail_it(trial: int) -> Non
     assert not bomb.passed
     counts = [int(line.split()[1]) for line in bomb.stderr_tail.splitlines() if line.startswith("forked ")]
     assert counts and counts[0] <= BOMB_LIMITS.max_processes, bomb.stderr_tail
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="without root every sandbox runs as the caller (SECURITY.md)")
+def test_sandboxes_running_together_have_users_of_their_own() -> None:
+    limits = SandboxLimits(wall_s=15.0, cpu_s=4, memory_mb=256, max_processes=16, file_mb=16)
+
+    async def together() -> list[str]:
+        program = "import os, time\ntime.sleep(2)\nprint(os.getuid(), os.getgid())\n"
+        return await asyncio.gather(*(run_python(program, limits) for _ in range(3)))
+
+    answers = asyncio.run(together())
+    users = {int(a.split()[0]) for a in answers}
+    assert len(users) == 3 and not users & {0, os.geteuid()}, answers

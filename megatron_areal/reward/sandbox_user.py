@@ -8,9 +8,9 @@ process has, from a fixed range, for as long as it runs: its limit then counts i
 only, whatever the others do.
 
 A claim is an exclusive ``flock`` on a lock file named after the uid, in a directory only root
-may write, so that claims hold across the threads and the worker processes of one service and
-across services on one machine; the kernel drops the lock when its holder closes the file or
-dies, and a uid is skipped while any process still runs as it.
+may write (``LOCK_DIR``), so that claims hold across the threads and the worker processes of one
+service and across services on one machine that share that directory; the kernel drops the lock
+when its holder closes the file or dies, and a uid is skipped while any process still runs as it.
 
 Without root the sandbox runs as the service's own user, whose count includes every process of
 that user on the host (see SECURITY.md): nothing here applies.
@@ -21,7 +21,6 @@ import fcntl
 import os
 import pwd
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,9 @@ from pathlib import Path
 # and the ranges of container runtimes' subordinate ids (100,000 .. a few million).
 FIRST_UID = 0x7000_0000
 SLOTS = 4096
-LOCK_DIR = Path(tempfile.gettempdir(), "megatron-areal-sandbox-uids")
+# A fixed place, not $TMPDIR: services with different temporary directories on one machine must
+# see each other's claims.
+LOCK_DIR = Path("/run/lock" if os.path.isdir("/run/lock") else "/tmp", "megatron-areal-sandbox-uids")
 
 
 class NoSandboxUser(RuntimeError):
