@@ -6,6 +6,7 @@ hand-laid-out token sequences for the trajectories.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from pathlib import Path
 
@@ -50,6 +51,23 @@ def test_calculator_refuses_anything_but_bounded_arithmetic(attack: str, tmp_pat
     with pytest.raises(CalculatorError):
         evaluate(attack.format(marker=marker))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("base,exponent", [(-8, 0.5), (-8, 1 / 3), (-1, 0.5), (-2.5, 1.5), (-8, 2.0), (-8, -1),
+                                            (8, 0.5), (-8, 3)])
+def test_powers_are_real_numbers_or_an_error(base: float, exponent: float) -> None:
+    """The reference is ``math.pow``, which works on real numbers: where it has no value, neither has
+    the calculator (Python's ``**`` would return a complex number)."""
+    expression = f"({base!r}) ** ({exponent!r})"
+    try:
+        expected = math.pow(base, exponent)
+    except ValueError:
+        with pytest.raises(CalculatorError, match="no real value"):
+            evaluate(expression)
+        answer = asyncio.run(calculator({"expression": expression}))
+        assert answer.startswith("error:") and "j" not in answer, answer
+        return
+    assert evaluate(expression) == pytest.approx(expected)
 
 
 def test_the_calculator_tool_answers_errors_as_text() -> None:

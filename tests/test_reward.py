@@ -64,8 +64,11 @@ def _code_answer(problem: dict) -> dict:
 
 @pytest.mark.parametrize("reply,gold,expected", [
     ("So the answer is \\boxed{0.5}.", "\\frac{1}{2}", 1.0),
-    ("\\boxed{\\frac{2}{4}}", "0.5", 1.0),
-    ("The probability is \\boxed{50\\%}", "0.5", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    # A numeric gold takes a number in lowest terms, a percentage only where the gold is one (math_form.py)
+    ("\\boxed{\\frac{2}{4}}", "0.5", 0.0),
+    ("The probability is \\boxed{50\\%}", "0.5", 0.0),
+    ("\\boxed{2^{10}}", "1024", 0.0),
     ("Expanding, \\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
     ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}", 1.0),
     ("the point is \\boxed{(1, 2)}", "(1,2)", 1.0),
@@ -164,15 +167,19 @@ def test_hanging_reward_times_out_and_pool_keeps_serving(service: RewardService)
 def test_giant_math_answer_is_refused_without_a_worker_restart(service: RewardService, reply: str) -> None:
     """A number too large to evaluate scores 0 from the verifier itself: no pool timeout, no new worker."""
     restarts = service.metrics()["reward/worker_restarts"]
-    result = service.score_sync("math", reply, "3")
+    result = service.score_sync("math", reply, "3\\sqrt{2}")  # not a number: math-verify compares it
     assert (result.reward, result.status) == (0.0, "ok"), result.detail
     assert service.metrics()["reward/worker_restarts"] == restarts
 
 
+# Golds that are not plain numbers, so that math-verify evaluates the powers (a numeric gold takes a
+# number literal and never evaluates anything, math_form.py).
 @pytest.mark.parametrize("reply,gold", [
-    ("\\boxed{2^{10}}", "1024"), ("\\boxed{10!}", "3628800"), ("\\boxed{9^{9}}", "387420489"),
-    ("\\boxed{2^{100}}", "1267650600228229401496703205376"), ("\\boxed{2^{2^{4}}}", "65536"),
-    ("\\boxed{20!}", "2432902008176640000"), ("\\boxed{10^{-3}}", "0.001"),
+    ("\\boxed{2^{10}\\sqrt{3}}", "1024\\sqrt{3}"), ("\\boxed{10!\\sqrt{3}}", "3628800\\sqrt{3}"),
+    ("\\boxed{9^{9}\\sqrt{3}}", "387420489\\sqrt{3}"),
+    ("\\boxed{2^{100}\\sqrt{3}}", "1267650600228229401496703205376\\sqrt{3}"),
+    ("\\boxed{2^{2^{4}}\\sqrt{3}}", "65536\\sqrt{3}"),
+    ("\\boxed{20!\\sqrt{3}}", "2432902008176640000\\sqrt{3}"), ("\\boxed{10^{-3}\\sqrt{3}}", "0.001\\sqrt{3}"),
     ("it is $9^{9^{9}}$, too big; so \\boxed{4}", "4"),
 ])
 def test_large_but_reasonable_math_answers_still_verify(reply: str, gold: str) -> None:

@@ -366,3 +366,25 @@ def test_service_without_code_tasks_needs_no_bubblewrap(monkeypatch: pytest.Monk
         with pytest.raises(SandboxUnavailable, match="install.*bubblewrap"):
             svc.score_sync("code", "x = 1", {"tests": "assert x == 1"})
 
+
+
+# ---- how an answer's failure is reported ------------------------------------------------------
+
+RECURSES = "def depth(n):\n    return depth(n + 1) + 1\n"
+SELF_CONTAINING = "def loop():\n    x = []\n    x.append(x)\n    return x\n"
+REPORT_LIMITS = SandboxLimits(wall_s=10.0, cpu_s=4, memory_mb=256, max_processes=16, file_mb=16)
+
+
+def test_a_recursion_error_of_the_answer_is_reported_as_one() -> None:
+    result = run_answer(RECURSES, "depth(0)\n", REPORT_LIMITS)
+    assert not result.passed
+    assert "RecursionError" in result.describe() and "container" not in result.stderr_tail, result.stderr_tail
+    # Like any built-in exception of the answer, tests that expect it can catch it.
+    expects_it = "try:\n    depth(0)\nexcept RecursionError:\n    pass\nelse:\n    raise AssertionError('no error')\n"
+    assert run_answer(RECURSES, expects_it, REPORT_LIMITS).passed
+
+
+def test_a_container_too_deep_to_cross_is_still_refused() -> None:
+    catches_all = "try:\n    loop()\nexcept Exception:\n    pass\n"
+    result = run_answer(SELF_CONTAINING, catches_all, REPORT_LIMITS)
+    assert not result.passed and "container too deep" in result.stderr_tail, result.stderr_tail

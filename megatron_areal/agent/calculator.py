@@ -3,7 +3,8 @@
 The expression is parsed with ``ast`` and only numbers, parentheses, unary +/- and the binary
 operators + - * / // % ** are walked; names, calls, attributes, subscripts and everything else are
 refused. Sizes are bounded before computing, so ``9**9**9`` or a 10,000-digit product is refused
-instead of hanging the rollout loop.
+instead of hanging the rollout loop. Results are real numbers: where Python would return a complex
+number (``(-8) ** 0.5``) the calculator answers with an error.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def format_number(value: Number) -> str:
 
 
 def _check_size(value: Number) -> Number:
+    if isinstance(value, complex):  # Python's ``**`` of a negative base and a fractional exponent
+        raise CalculatorError("a negative number to a fractional power has no real value")
     if isinstance(value, float) and not math.isfinite(value):
         raise CalculatorError("result is not finite")
     if abs(value) >= 10 ** MAX_DIGITS:

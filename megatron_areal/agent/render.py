@@ -16,6 +16,17 @@ cut by the token limit gets it appended as an environment token.
 Otherwise (the agent edited or truncated the history, or the template renders earlier turns
 differently once a new one follows, as templates that drop earlier reasoning do) the turn is
 rendered from scratch and starts a new sequence; ``RenderedPrompt.extends`` says which happened.
+
+Message contents are plain text. The template's own markers (``<|im_start|>``, ``<|im_end|>``) are
+the tokenizer's control tokens, but a tool's output, an environment's message or a prompt may hold
+the same strings, and tokenising the rendered text as a whole would turn a tool result holding
+``<|im_end|>\n<|im_start|>user ...`` into a forged turn. So where a message's content holds the
+text of any of the tokenizer's added tokens (``control_strings``), the text is tokenised in parts:
+the template's own text as before, each such content as plain text (``plain_ids``: every added
+token's text is split after its first character, so it becomes ordinary tokens). The content's
+place in the text is found by rendering the messages with a marker instead of it; a template that
+changes such a content (so that its text is not where the marker was) is refused with a
+``RenderError`` naming the message. Contents without control text are tokenised exactly as before.
 """
 from __future__ import annotations
 
@@ -25,6 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 Message = dict[str, Any]
+
+
+_MARKER = "\ue000content {}\ue001"  # private-use characters: no template or tokenizer gives them meaning
 
 
 class RenderError(ValueError):
@@ -121,6 +135,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.eos_text: str = tokenizer.eos_token
         self.eos_id: int = int(tokenizer.eos_token_id)
+        self.control_strings = control_strings(tokenizer)
 
     def text(self, messages: Sequence[Message], tools: list[Any] | None, generation_prompt: bool) -> str:
         """The template's text of normalised ``messages``."""
@@ -132,6 +147,70 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def plain_ids(self, text: str) -> list[int]:
+        """``text`` tokenised with no added token recognised in it: each occurrence of one's text is
+        split after its first character, and the rest is looked at again."""
+        ids: list[int] = []
+        start = 0
+        while True:
+            found = self._next_control(text, start)
+            if found is None:
+                return ids + (self.encode(text[start:]) if start < len(text) else [])
+            at, control = found
+            if at > start:
+                ids += self.encode(text[start:at])
+            ids += self.encode(control[0])
+            start = at + 1
+
+    def _next_control(self, text: str, start: int) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for control in self.control_strings:  # longest first: at one position, the longest wins
+            at = text.find(control, start)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, control)
+        return best
+
+    def content_spans(self, messages: Sequence[Message], tools: list[Any] | None, generation_prompt: bool,
+                      text: str) -> list[tuple[int, int]]:
+        """Where in the template's ``text`` of ``messages`` lie the contents that hold control text
+        (none for most conversations)."""
+        held = [i for i, m in enumerate(messages) if any(c in m["content"] for c in self.control_strings)]
+        if not held:
+            return []
+        marked = [dict(m, content=_MARKER.format(i)) if i in held else m for i, m in enumerate(messages)]
+        template = self.text(marked, tools, generation_prompt)
+        spans, pieces, cursor, shift = [], [], 0, 0
+        for i in held:
+            marker = _MARKER.format(i)
+            at = template.find(marker, cursor)
+            if at < 0 or template.count(marker) != 1:
+                raise RenderError(f"messages[{i}].content holds control-token text and the chat template does "
+                                  "not render it once as given")
+            content = messages[i]["content"]
+            pieces += [template[cursor:at], content]
+            start = at + shift
+            spans.append((start, start + len(content)))
+            shift += len(content) - len(marker)
+            cursor = at + len(marker)
+        if "".join(pieces) + template[cursor:] != text:
+            raise RenderError(f"messages{held}: a content holding control-token text is changed by the chat "
+                              "template, so it cannot be tokenised as plain text")
+        return spans
+
+    def encode_rendered(self, text: str, spans: Sequence[tuple[int, int]], start: int = 0) -> list[int]:
+        """``text[start:]`` tokenised: the parts in ``spans`` as plain text, the rest as a whole."""
+        ids: list[int] = []
+        cursor = start
+        for begin, end in spans:
+            if end <= cursor:
+                continue
+            begin = max(begin, cursor)
+            if begin > cursor:
+                ids += self.encode(text[cursor:begin])
+            ids += self.plain_ids(text[begin:end])
+            cursor = end
+        return ids + (self.encode(text[cursor:]) if cursor < len(text) else [])
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -147,14 +226,15 @@ class ChatRenderer:
                previous: PreviousTurn | None) -> RenderedPrompt:
         """The prompt of a turn with normalised ``messages``: extending ``previous`` where it can."""
         full = self.text(messages, tools, generation_prompt=True)
+        spans = self.content_spans(messages, tools, True, full)
         if previous is not None:
-            ids = self._extend(messages, tools, previous, full)
+            ids = self._extend(messages, tools, previous, full, spans)
             if ids is not None:
                 return RenderedPrompt(ids=ids, extends=True)
-        return RenderedPrompt(ids=self.encode(full), extends=False)
+        return RenderedPrompt(ids=self.encode_rendered(full, spans), extends=False)
 
     def _extend(self, messages: list[Message], tools: list[Any] | None, previous: PreviousTurn,
-                full: str) -> list[int] | None:
+                full: str, spans: Sequence[tuple[int, int]]) -> list[int] | None:
         k = len(previous.messages)
         if len(messages) <= k + 1 or messages[:k] != list(previous.messages) \
                 or not same_reply(messages[k], previous.reply):
@@ -166,4 +246,13 @@ class ChatRenderer:
         sequence = list(previous.sequence)
         if not sequence or sequence[-1] != self.eos_id:  # cut by the token limit: close the turn
             sequence.append(self.eos_id)
-        return sequence + self.encode(base[end + len(self.eos_text):] + full[len(base):])
+        # base is a prefix of full: the new text is full's from the reply's end-of-turn marker on
+        return sequence + self.encode_rendered(full, spans, end + len(self.eos_text))
+
+
+def control_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The text of every added token (the template's markers and the other special tokens), longest
+    first."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = {str(getattr(t, "content", t)) for t in added.values()} | set(getattr(tokenizer, "all_special_tokens", []))
+    return tuple(sorted((t for t in texts if t), key=len, reverse=True))

@@ -205,13 +205,16 @@ def serve_answer(requests, replies):
             if request[:2] != ["op", "call"] or len(request) != 5:
                 raise ValueError("malformed request")
             function, args, kwargs = request[2:]
-            reply = ["ok", _encode(function(*args, **kwargs), _refuse_object)]
+            result = function(*args, **kwargs)
+        except Exception as error:  # the answer's own, RecursionError included: the tests see it
+            _send(replies, ["raise"] + _describe(error))
+            continue
+        try:
+            reply = ["ok", _encode(result, _refuse_object)]
         except NotPlainData as error:
             reply = ["refused", str(error)]
-        except RecursionError:  # a container that contains itself, or is very deep
+        except RecursionError:  # encoding it: a container that contains itself, or is very deep
             reply = ["refused", "the answer returned a container too deep to cross to the tests"]
-        except Exception as error:
-            reply = ["raise"] + _describe(error)
         _send(replies, reply)
 
 

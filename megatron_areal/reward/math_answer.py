@@ -12,6 +12,11 @@ exceeds it scores 0 and the worker goes on with the next one. CPU time, not wall
 that a loaded machine does not turn a correct answer into a 0. math-verify's own ``signal.alarm``
 timeouts are switched off (``parsing_timeout=None, timeout_seconds=None``) because they count
 whole seconds, apply per call and would replace our handler.
+
+When the gold answer is a number, the reply's final answer must be a number too, stated once and
+in lowest terms (``math_form.py``): an expression copied from the question (``\\boxed{513^2 -
+487^2}`` for 26000) or a hedge (``\\boxed{x = 7 = 5}``, ``\\boxed{5\\%}`` for 5) scores 0, although
+math-verify alone would evaluate it to the gold.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Any
 import sympy
 from math_verify import parse, verify
 
+from megatron_areal.reward.math_form import NotANumber, NumericGold, answer_value, numeric_gold
 from megatron_areal.reward.registry import Verdict
 
 # math-verify warns on every call that its own timeout is disabled; that is deliberate here.
@@ -123,21 +129,39 @@ class _Deadline:
 
 
 def check_math(response_text: str, answer: Any, deadline_s: float = DEFAULT_DEADLINE_S) -> Verdict:
-    """1.0 when the reply's answer equals the gold; refuses giant numbers and stops at the deadline."""
+    """1.0 when the reply's answer equals the gold (a number literal when the gold is a number);
+    refuses giant numbers and stops at the deadline."""
     gold = parse(gold_as_latex(answer), parsing_timeout=None)
     if not gold:
         raise ValueError(f"gold answer {answer!r} does not parse")
+    number = numeric_gold(answer)
     try:
         with _Deadline(deadline_s):
             predicted = parse(response_text, parsing_timeout=None)
             if not predicted:
                 return Verdict(0.0, "no answer found")
+            if number is not None:
+                return _check_number(predicted, number)
             if _too_large(predicted) and not _too_large(gold):
                 return Verdict(0.0, f"refused: the answer holds a number of more than {MAX_DIGITS} digits")
             equal = verify(gold, predicted, timeout_seconds=None)
     except _DeadlineExceeded:
         return Verdict(0.0, f"verification exceeded its {deadline_s} CPU seconds")
     return Verdict(1.0 if equal else 0.0, f"answer {predicted[-1]}")
+
+
+def _check_number(predicted: list[Any], gold: NumericGold) -> Verdict:
+    """The reply's final answer, as math-verify extracted it (its last item, the text), against a
+    numeric gold: by the value of the literal it must be, never by evaluating it."""
+    extracted = predicted[-1]
+    if not isinstance(extracted, str):
+        return Verdict(0.0, "no answer found")
+    shown = extracted if len(extracted) <= 200 else extracted[:200] + "..."
+    try:
+        value = answer_value(extracted, gold)
+    except NotANumber as e:
+        return Verdict(0.0, f"refused: the gold is a number and the answer {shown!r} is {e}")
+    return Verdict(1.0 if value == gold.value else 0.0, f"answer {shown}")
 
 
 def verify_math(response_text: str, answer: Any) -> float:

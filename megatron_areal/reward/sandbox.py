@@ -7,18 +7,25 @@ random, urandom, tty), read-only; a size-limited ``/dev/shm``; a private size-li
 ``/tmp`` and working directory. Nothing else of the host: no ``/run``, ``/var``, ``/home``,
 ``/root``, ``/tmp`` or ``/opt``, so no host Unix socket is reachable by path, and the network
 namespace holds only its own loopback, so no abstract socket or TCP port of the host is either.
-New network, PID, IPC, UTS, cgroup and user namespaces; no inherited environment.
+New network, PID, IPC, UTS, cgroup and user namespaces. Nothing of the caller's environment:
+bubblewrap itself is started with ``SANDBOX_ENV`` only, because the sandbox's PID 1 is a copy of
+bubblewrap whose ``/proc/1/environ`` the program can read (``--clearenv`` cleans only the
+program's own), and with no file descriptor but its stdin, stdout, stderr and the info pipe, which
+it closes before the program starts.
 
 Limits: memory for the whole sandbox (a cgroup per run, ``cgroup.py``, where the service may make
 one), and per process (setrlimit before exec) CPU seconds, address space, file size, and the
-number of processes of the sandbox user. At the end of a run, or at the wall-clock limit, the
+number of processes of the sandbox's user. At the end of a run, or at the wall-clock limit, the
 sandbox's PID-namespace init is killed, and so the kernel kills every process of the namespace;
 ``run_task`` returns only after that init has exited, which the kernel allows only once every
 other process of the namespace is gone, so no process of one answer outlives its verdict.
 
-RLIMIT_NPROC is not enforced for root, so when the service runs as root the sandbox runs as
-``nobody``. The interpreter must then be executable by ``nobody``: a Python installed under
-``/root`` is not, and the system ``/usr/bin/python3`` is used instead.
+RLIMIT_NPROC is not enforced for root and counts every process of a user, so when the service runs
+as root each sandbox runs as a uid of its own, claimed for the run from an unused range
+(``sandbox_user.py``), and one sandbox's processes never count against another's limit. The
+interpreter must then be executable by any user: a Python installed under ``/root`` is not, and
+the system ``/usr/bin/python3`` is used instead. Without root the sandbox runs as the service's
+user, and its limit is that user's count on the host plus ``max_processes`` (see SECURITY.md).
 
 A pass is never read from an exit status: ``harness.py`` (which see) runs the tests and the
 answer in separate processes, and only the test process, after the tests' code returned, prints
@@ -49,10 +56,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_areal.reward.cgroup import SandboxCgroup, find_base
+from megatron_areal.reward.sandbox_user import NoSandboxUser, SandboxUser, claim_user
 
 logger = logging.getLogger(__name__)
 
-NOBODY = 65534
+# bubblewrap's whole environment: it becomes the sandbox's PID 1, whose environment the program can read
+SANDBOX_ENV = {"PATH": "/usr/bin:/bin"}
 _PR_SET_PDEATHSIG = 1
 _STDERR_TAIL = 2000
 _STDOUT_LIMIT = 1 << 20  # the proof is one short line; anything else there is noise
@@ -157,8 +166,9 @@ class SandboxResult:
         return f"exit {self.returncode}" + (f": {last[0]}" if last[0] else "")
 
 
-def _sandbox_uid() -> int:
-    return NOBODY if os.geteuid() == 0 else os.geteuid()
+def _runs_as_other_users() -> bool:
+    """Root's sandboxes run as uids of their own (``sandbox_user.py``), others' as the caller."""
+    return os.geteuid() == 0
 
 
 def _executable_by_others(path: Path) -> bool:
@@ -172,13 +182,13 @@ def _executable_by_others(path: Path) -> bool:
 def choose_python(configured: str) -> str:
     if configured:
         return configured
-    if _sandbox_uid() != NOBODY or _executable_by_others(Path(sys.executable)):
+    if not _runs_as_other_users() or _executable_by_others(Path(sys.executable)):
         return sys.executable
     system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
     if system and _executable_by_others(Path(system)):
         return system
     raise SandboxUnavailable(
-        f"the sandbox runs as 'nobody' (the service runs as root) and cannot execute {sys.executable} "
+        f"the sandbox runs as a user of its own (the service runs as root) and cannot execute {sys.executable} "
         "or a system python3; set reward.code_python to an interpreter outside /root")
 
 
@@ -305,19 +315,26 @@ def run_program(program: Sequence[str], stdin: bytes, limits: SandboxLimits, std
     Returns only once every process of the sandbox is gone (``_kill_tree``), with the parts of
     stdout and stderr the bounds keep. Raises SandboxUnavailable when there is no bubblewrap or no
     interpreter the sandbox user can execute."""
-    uid = _sandbox_uid()
-    # The limit counts every process of the user; allow this run ``max_processes`` more.
+    python = choose_python(limits.python)
+    user = _claim_user()
+    uid = user.uid if user is not None else os.geteuid()
+    # The limit counts every process of the user (none but this run's for a claimed uid); allow this
+    # run ``max_processes`` more.
     max_procs = _count_processes(uid) + limits.max_processes + 3  # + bwrap, its init, the program's first process
     mb = 1024 * 1024
-    python = choose_python(limits.python)
     base = find_base()
-    cgroup = SandboxCgroup(base, limits.memory_mb * mb) if base is not None else None
+    try:
+        cgroup = SandboxCgroup(base, limits.memory_mb * mb) if base is not None else None
+    except BaseException:
+        if user is not None:
+            user.release()
+        raise
     info_r, info_w = os.pipe()
     try:
         cmd = bwrap_command(python, 4 * limits.file_mb * mb, limits.file_mb * mb, info_w, program)
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, pass_fds=(info_w,),
-                                    cwd="/", start_new_session=True,
+                                    close_fds=True, env=SANDBOX_ENV, cwd="/", start_new_session=True,
                                     preexec_fn=_limiter(limits, max_procs, cgroup, uid))
             os.close(info_w)
             info_w = -1
@@ -338,6 +355,17 @@ def run_program(program: Sequence[str], stdin: bytes, limits: SandboxLimits, std
             os.close(info_w)
         if cgroup is not None:
             cgroup.remove()
+        if user is not None:
+            user.release()  # only now: every process of the run is gone
+
+
+def _claim_user() -> SandboxUser | None:
+    if not _runs_as_other_users():
+        return None
+    try:
+        return claim_user()
+    except (NoSandboxUser, OSError) as e:
+        raise SandboxUnavailable(f"no user id for the sandbox: {e}") from e
 
 
 def _capture(stream, bound: OutputBound) -> CapturedOutput:
@@ -410,4 +438,6 @@ def check_sandbox(limits: SandboxLimits) -> None:
              "    except OSError:\n        return True\n    return False\n")
     if not run_answer(probe, "assert offline()\n", limits).passed:
         raise SandboxUnavailable("the code sandbox can reach the network; refusing to run code answers")
-    logger.info("code sandbox ready: bubblewrap, uid %d, %s", _sandbox_uid(), choose_python(limits.python))
+    logger.info("code sandbox ready: bubblewrap, %s, %s",
+                "a uid of its own per run" if _runs_as_other_users() else f"uid {os.geteuid()}",
+                choose_python(limits.python))
