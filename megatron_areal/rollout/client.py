@@ -13,10 +13,13 @@ import base64
 import binascii
 import logging
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from megatron_areal import run_identity
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +236,31 @@ class RolloutClient:
         """``/flush_cache``: drop the server's prefix cache."""
         await self._request("POST", "/flush_cache")
 
+    async def is_ours(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server proves it holds this run's nonce (``run_identity.py``); True outside a launched run.
+        Asked without the API key, before any keyed request: a restarted server's port may now be another
+        process's, which must get neither our requests nor our key."""
+        nonce = run_identity.run_nonce()
+        if not nonce:
+            return True
+        challenge = secrets.token_hex(16)
+        try:
+            async with aiohttp.ClientSession() as plain, plain.get(
+                    self.url + run_identity.ROUTE, params={"challenge": challenge},
+                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                problem = run_identity.check_reply(nonce, challenge, r.status, await r.content.read(4096))
+        except (TimeoutError, aiohttp.ClientError) as e:
+            problem = f"does not answer {run_identity.ROUTE} ({type(e).__name__})"
+        if problem is not None:
+            log.warning("server %s %s: not a server this run started; not admitted", self.url, problem)
+        return problem is None
+
     async def alive(self, timeout_s: float = 5.0) -> bool:
         """Liveness without generating: ``/model_info`` answers while paused and during updates,
-        where SGLang's ``/health`` (a one-token generation) waits and then says 503."""
+        where SGLang's ``/health`` (a one-token generation) waits and then says 503. Only a server of this
+        run counts (``is_ours``)."""
+        if not await self.is_ours(timeout_s):
+            return False
         try:
             await self._request("GET", "/model_info", timeout_s=timeout_s)
             return True
@@ -243,7 +268,10 @@ class RolloutClient:
             return False
 
     async def health(self, timeout_s: float = 5.0) -> bool:
-        """Whether ``/health`` answers 200 (SGLang generates a token for it: it waits while paused)."""
+        """Whether ``/health`` answers 200 (SGLang generates a token for it: it waits while paused), from a
+        server of this run (``is_ours``)."""
+        if not await self.is_ours(timeout_s):
+            return False
         try:
             await self._request("GET", "/health", timeout_s=timeout_s)
             return True

@@ -18,7 +18,9 @@ from megatron_areal.run.plan import Plan
 from megatron_areal.run.registry import wait_for_servers
 from megatron_areal.run.rundir import RunDir
 from megatron_areal.run.secrets import apply_env_api_key
+from megatron_areal.run_identity import run_nonce
 from megatron_areal.trainer import run_timeline
+from megatron_areal.trainer.exit import heartbeat_path, run_rank, start_heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     cfg = apply_env_api_key(load_config(args.config, args.overrides))
+    start_heartbeat(heartbeat_path(RunDir.of(cfg).resolved().root, rank))
     checkpoint_on_usr1(cfg.train.run_dir, f"trainer rank {rank}")  # any rank's USR1 asks for one
     if rank == "0":
         run_timeline.begin(Path(args.plan))
     plan = Plan.load(args.plan)
     registrations = RunDir.of(cfg).resolved().servers
-    urls = wait_for_servers(registrations, list(plan.servers), cfg.server.startup_timeout_s)
+    urls = wait_for_servers(registrations, list(plan.servers), cfg.server.startup_timeout_s, nonce=run_nonce())
     run_timeline.servers_ready(registrations, urls)
     from megatron_areal.trainer.loop import run_trainer  # heavy (Megatron); imported once the servers are up
 
@@ -48,4 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(main))
