@@ -77,6 +77,8 @@ def foreign_http_server(port: int) -> Iterator[list[str]]:
     class Handler(http.server.BaseHTTPRequestHandler):
         def _answer(self) -> None:
             asked.append(self.path)
+            if "sk-run-secret" in str(self.headers):
+                asked.append(f"the API key was sent with {self.path}")
             body = json.dumps({"ok": True, "weight_version": "default"}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -131,3 +133,111 @@ def test_rendezvous_port_taken_after_the_check_ends_the_run_naming_it(tmp_path: 
     last = out.strip().splitlines()[-3:]
     assert any(str(master) in line and "rendezvous" in line for line in last), out[-3000:]
     assert_nothing_left(run_dir)
+
+
+# ---- only the run's own servers are admitted ------------------------------------------------------------
+
+
+def _plan_in_a_process(config: Path, base: int, master: int, hold_s: float) -> subprocess.Popen:
+    """Another launcher planning this machine's ports (and holding them for ``hold_s``), as a real process."""
+    script = ("import json, sys, time\nfrom megatron_areal.config import load_config\n"
+              "from megatron_areal.launch.local import local_plan\nfrom megatron_areal.launch.ports import PortClaims\n"
+              f"cfg = load_config({str(config)!r}, ['server.base_port={base}', 'cluster.master_port={master}'])\n"
+              "claims = PortClaims()\nplan = local_plan(cfg, claims)\n"
+              "print(json.dumps([s.port for s in plan.servers] + [plan.trainer.master_port]), flush=True)\n"
+              f"time.sleep({hold_s})\n")
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+
+
+def test_two_launchers_planning_at_once_get_disjoint_ports() -> None:
+    """Two jobs started at the same moment plan while neither has bound anything yet: every port must differ
+    (before, both planned the same free ports and the later binder failed)."""
+    base, master = free_port_range(20), free_ports(1)[0]
+    jobs = [_plan_in_a_process(TINY, base, master, hold_s=20) for _ in range(2)]
+    try:
+        planned = [json.loads(job.stdout.readline()) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+            job.wait()
+    assert len(planned[0]) == len(planned[1]) == 3, planned
+    assert not set(planned[0]) & set(planned[1]), planned
+    assert base in planned[0] + planned[1] and master in planned[0] + planned[1]  # one of them kept the plan
+
+
+def test_vllm_watcher_does_not_register_another_jobs_server(tmp_path: Path) -> None:
+    """The vLLM watcher registers a server once its port answers. Here the port answers, but from another job's
+    server (a plain HTTP server saying 200 to everything): nothing may be registered."""
+    from megatron_areal.run_identity import NONCE_ENV, new_nonce
+
+    port = free_ports(1)[0]
+    reg = tmp_path / "servers"
+    reg.mkdir()
+    ours = subprocess.Popen(["sleep", "60"])  # stands for our vLLM process, which failed to bind but not yet exited
+    with foreign_http_server(port) as asked:
+        watcher = subprocess.Popen([sys.executable, "-m", "megatron_areal.launch.vllm_register", str(reg), "vm-0",
+                                    f"http://127.0.0.1:{port}", str(ours.pid), "m"],
+                                   env={**os.environ, NONCE_ENV: new_nonce()})
+        try:
+            wait_until(lambda: list(reg.iterdir()) or len(asked) >= 3, 30, "the watcher to probe the port")
+            assert not list(reg.iterdir()), [f.read_text() for f in reg.iterdir()]
+        finally:
+            ours.kill()
+            ours.wait()
+            watcher.wait(timeout=30)
+
+
+def test_registry_admits_only_a_server_that_proves_the_nonce(tmp_path: Path, tiny_llama: Path) -> None:
+    """Registrations for two slots: one is a real embedded server started with this run's nonce, the other
+    address is held by a foreign HTTP server. The wait admits the first and times out naming the second."""
+    from megatron_areal.launch.embedded import start_embedded
+    from megatron_areal.run.errors import LaunchError
+    from megatron_areal.run.plan import ServerSlot
+    from megatron_areal.run.registry import wait_for_servers
+    from megatron_areal.run_identity import NONCE_ENV, new_nonce
+
+    nonce = new_nonce()
+    reg = tmp_path / "servers"
+    reg.mkdir()
+    foreign_port = free_ports(1)[0]
+    os.environ[NONCE_ENV] = nonce  # what the launcher hands its servers
+    try:
+        server = start_embedded(tiny_llama)
+    finally:
+        del os.environ[NONCE_ENV]
+    with server, foreign_http_server(foreign_port) as asked:
+        port = int(server.url.rsplit(":", 1)[1])
+        slots = [ServerSlot("a-0", "a", "127.0.0.1", port, ()), ServerSlot("a-1", "a", "127.0.0.1", foreign_port, ())]
+        for slot in slots:
+            (reg / slot.id).write_text(json.dumps({"url": slot.url}))
+        assert wait_for_servers(reg, slots[:1], timeout_s=30, nonce=nonce) == [server.url]
+        with pytest.raises(LaunchError) as e:
+            wait_for_servers(reg, slots, timeout_s=3, nonce=nonce, poll_s=0.2)
+        assert f"127.0.0.1:{foreign_port}" in str(e.value) and "not a server this run started" in str(e.value)
+        # another run's real server (another nonce) is refused as well
+        with pytest.raises(LaunchError, match="another run's proof"):
+            wait_for_servers(reg, slots[:1], timeout_s=2, nonce=new_nonce(), poll_s=0.2)
+    assert all(path.startswith("/run_identity?") for path in asked), asked
+
+
+def test_trainer_client_sends_nothing_keyed_to_a_server_that_is_not_the_runs(tmp_path: Path) -> None:
+    """The rollout client's re-admission probes (``health``, ``alive``) ask for the proof first, without the key;
+    a foreign server gets no request carrying the API key and is not admitted."""
+    import asyncio
+
+    from megatron_areal.rollout.client import RolloutClient
+    from megatron_areal.run_identity import NONCE_ENV, new_nonce
+
+    port = free_ports(1)[0]
+
+    async def probe() -> tuple[bool, bool]:
+        async with RolloutClient(f"http://127.0.0.1:{port}", api_key="sk-run-secret") as client:
+            return await client.health(2), await client.alive(2)
+
+    os.environ[NONCE_ENV] = new_nonce()
+    try:
+        with foreign_http_server(port) as asked:
+            assert asyncio.run(probe()) == (False, False)
+    finally:
+        del os.environ[NONCE_ENV]
+    assert asked and all(p.startswith("/run_identity?") for p in asked), asked
