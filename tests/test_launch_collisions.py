@@ -241,3 +241,90 @@ def test_trainer_client_sends_nothing_keyed_to_a_server_that_is_not_the_runs(tmp
     finally:
         del os.environ[NONCE_ENV]
     assert asked and all(p.startswith("/run_identity?") for p in asked), asked
+
+
+# ---- every process ends when its main work fails; the launcher ends what stopped making progress --------
+
+LINGERING_RANK = """
+import os, sys, threading, time
+from megatron_areal.trainer.exit import run_rank, start_heartbeat, heartbeat_path
+
+def main():
+    start_heartbeat(heartbeat_path(sys.argv[1], 0), interval_s=0.2)
+    threading.Thread(target=time.sleep, args=(600,), name="held-out evaluation").start()  # not a daemon
+    time.sleep(float(sys.argv[2]))
+    raise OSError("The server socket has failed to listen: port 29500 EADDRINUSE, address already in use")
+
+run_rank(main) if sys.argv[3] == "guarded" else main()
+"""
+
+
+def test_a_rank_whose_main_work_fails_exits_despite_its_threads(tmp_path: Path) -> None:
+    """The trainer's failure path, in a real process: a non-daemon thread still runs when ``init_process_group``
+    raises. Unguarded (what the trainer did) the process stays; under ``run_rank`` it exits with code 1 at once
+    and says which port was taken and which thread it did not wait for."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    plain = subprocess.Popen([sys.executable, "-c", LINGERING_RANK, str(tmp_path), "0", "plain"], env=env,
+                             stderr=subprocess.DEVNULL)
+    guarded = subprocess.Popen([sys.executable, "-c", LINGERING_RANK, str(tmp_path), "0", "guarded"], env=env,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = guarded.communicate(timeout=30)
+        assert guarded.returncode == 1, err
+        assert "rendezvous port 127.0.0.1:29500" in err and "held-out evaluation" in err, err
+        with pytest.raises(subprocess.TimeoutExpired):  # the reference: without the guard it hangs
+            plain.wait(timeout=5)
+    finally:
+        for p in (plain, guarded):
+            p.kill()
+            p.wait()
+
+
+def test_launcher_names_a_rank_whose_heartbeat_stopped(tmp_path: Path) -> None:
+    """A rank whose main thread ended while its process stays (the unguarded case above) stops touching its
+    heartbeat: the launcher's check names it once the bound has passed, and not before."""
+    from megatron_areal.launch.local import TrainerHeartbeats
+
+    watch = TrainerHeartbeats(tmp_path, 1, timeout_s=2.0)
+    rank = subprocess.Popen([sys.executable, "-c", LINGERING_RANK, str(tmp_path), "3", "plain"],
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (tmp_path / "heartbeats" / "trainer-rank0").exists(), 30, "the first heartbeat")
+        assert watch.stuck() is None  # beating
+        stuck = wait_until(watch.stuck, 30, "the heartbeat to go stale")
+        assert rank.poll() is None  # the process is still there: only the heartbeat tells
+        assert "rank0" in stuck and "no heartbeat" in stuck, stuck
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_a_frozen_server_is_named_and_killed(tmp_path: Path, tiny_llama: Path) -> None:
+    """A real embedded server of the run, frozen (SIGSTOP: alive, answering nothing): the watch names it after
+    the bound; the keeper then sees it exit and restarts it."""
+    import signal
+
+    from megatron_areal.launch.procs import ProcessSet, ServerKeeper
+    from megatron_areal.launch.server_watch import ServerWatch
+    from megatron_areal.run.plan import ServerSlot
+    from megatron_areal.run_identity import NONCE_ENV, identity_problem, new_nonce
+
+    nonce, port = new_nonce(), free_ports(1)[0]
+    slot = ServerSlot("vm-0", "vm", "127.0.0.1", port, ())
+    procs = ProcessSet(tmp_path / "logs", grace_s=1)
+    child = procs.start("server-0", [sys.executable, "-m", "megatron_areal.server.cli", "--model", str(tiny_llama),
+                                     "--port", str(port)], {**os.environ, NONCE_ENV: nonce})
+    try:
+        wait_until(lambda: identity_problem(slot.url, nonce, 2) is None, 120, "the server", poll_s=0.5)
+        keeper = ServerKeeper(procs, {"server-0": child}, {"server-0": "vm-0"}, max_restarts=1, backoff_s=0.1)
+        watch = ServerWatch(keeper, {"server-0": slot}, nonce, timeout_s=3, startup_s=120, interval_s=0.5).start()
+        time.sleep(2)
+        assert watch.stalled() == []
+        os.kill(child.pid, signal.SIGSTOP)
+        stalled = wait_until(watch.stalled, 30, "the frozen server to be named")
+        assert stalled[0][0] == "server-0" and "vm-0" in stalled[0][1] and str(child.pid) in stalled[0][1]
+        procs.kill(child)
+        wait_until(lambda: (keeper.poll(), keeper.total_restarts)[1] == 1, 30, "the restart")
+        watch.stop()
+    finally:
+        procs.stop_all()

@@ -23,8 +23,9 @@ from megatron_areal.config import Config
 from megatron_areal.launch.commands import role_env, server_command, shares_cores, trainer_command
 from megatron_areal.launch.describe import describe
 from megatron_areal.launch.ports import PortClaims, taken_by
-from megatron_areal.launch.procs import ProcessSet, ServerKeeper, Stopped, supervised
+from megatron_areal.launch.procs import Child, ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.progress import RunProgress
+from megatron_areal.launch.server_watch import ServerWatch
 from megatron_areal.netutil import port_free
 from megatron_areal.run.control import clear_requests
 from megatron_areal.run.errors import LaunchError
@@ -141,6 +142,17 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, override
                           cfg.server.restart_backoff_s)
     progress = RunProgress(cfg.train.run_dir, cfg.train.steps)
     heartbeats = TrainerHeartbeats(run.root, t.nproc_per_node, cfg.cluster.progress_timeout_s)
+    watch = ServerWatch(keeper, servers, identity[NONCE_ENV], cfg.cluster.progress_timeout_s,
+                        cfg.server.startup_timeout_s).start() if identity else None
+    try:
+        return _until_trainer_exits(trainer, keeper, watch, heartbeats, progress, plan, procs)
+    finally:
+        if watch is not None:
+            watch.stop()
+
+
+def _until_trainer_exits(trainer: Child, keeper: ServerKeeper, watch: ServerWatch | None,
+                         heartbeats: TrainerHeartbeats, progress: RunProgress, plan: Plan, procs: ProcessSet) -> int:
     while trainer.returncode() is None:
         for line in progress.poll():
             logger.info("%s", line)
@@ -149,6 +161,9 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, override
             logger.error("every rollout server died and none could be restarted (%s); stopping the run",
                          keeper.summary())
             return 1
+        for name, why in watch.stalled() if watch is not None else ():
+            logger.error("%s: killing it (the keeper restarts it or gives it up)", why)
+            procs.kill(keeper.servers[name])
         if (stuck := heartbeats.stuck()) is not None:
             logger.error("%s; last lines of %s:\n%s", stuck, trainer.log_path, trainer.log_tail())
             logger.error("stopping the run: the trainer (pid %d) has stopped making progress: %s", trainer.pid, stuck)
