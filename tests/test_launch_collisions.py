@@ -328,3 +328,28 @@ def test_a_frozen_server_is_named_and_killed(tmp_path: Path, tiny_llama: Path) -
         watch.stop()
     finally:
         procs.stop_all()
+
+
+def test_two_jobs_started_together_on_the_same_ports_both_train(tmp_path: Path) -> None:
+    """Two main jobs, the same config and ports, started at the same moment: both train (one of them moved to
+    other ports), each with its own servers, or one stops at once saying which port."""
+    base, master = free_port_range(20), free_ports(1)[0]
+    runs = [tmp_path / "a", tmp_path / "b"]
+    jobs = [launch(run, base, master, "train.steps=1", "server.count=1", "checkpoint.every=0") for run in runs]
+    outs = []
+    try:
+        for job in jobs:
+            outs.append(job.communicate(timeout=420)[0])
+    finally:
+        for job in jobs:
+            job.kill()
+            job.wait()
+    for job, run, out in zip(jobs, runs, outs, strict=True):
+        if job.returncode != 0:
+            assert "port" in "\n".join(out.strip().splitlines()[-3:]), out[-3000:]
+            continue
+        assert (run / "metrics.jsonl").is_file(), out[-3000:]
+    assert sum(job.returncode == 0 for job in jobs) >= 1, [o[-2000:] for o in outs]
+    plans = [json.loads((run / "plan.json").read_text()) for run in runs]
+    ports = [{s["port"] for s in p["servers"]} | {p["trainer"]["master_port"]} for p in plans]
+    assert not ports[0] & ports[1], ports
