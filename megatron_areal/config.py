@@ -89,6 +89,9 @@ class Config:
                 "false (synchronous mode) requires staleness.eta = 0")
         require(not self.ppo.routing_replay or self.rollout.return_routed_experts, "ppo.routing_replay",
                 "true requires rollout.return_routed_experts: true (the rollout's routes are what the trainer replays)")
+        if self.realloc.method == "disk" and self.realloc.disk_dir:
+            problem = directory_problem(self.realloc.disk_dir)
+            require(problem is None, "realloc.disk_dir", str(problem))
         if self.rollout.workflow:
             problem = workflow_problem(self.rollout.workflow)
             require(problem is None, "rollout.workflow", str(problem))

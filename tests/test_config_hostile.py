@@ -143,3 +143,19 @@ def test_dry_run_fails_naming_the_key(tiny_llama, capsys: pytest.CaptureFixture[
         out = capsys.readouterr().out
         assert rc != 0 and key in out and "FAILED" in out, out
 
+
+
+def test_disk_weight_folder_naming_a_file_is_refused(tmp_path: Path) -> None:
+    file = tmp_path / "weights"
+    file.write_text("")
+    with pytest.raises(ConfigError, match="realloc.disk_dir"):
+        load_config(None, ["realloc.method=disk", f"realloc.disk_dir={file}"])
+    assert load_config(None, ["realloc.method=disk", f"realloc.disk_dir={tmp_path / 'new'}"])
+
+
+def test_dry_run_fails_on_a_missing_eval_dataset(tiny_llama, capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    """The run reads data.eval only once started (the starting policy's evaluation), where it would die."""
+    rc = train_main([str(ROOT / "configs/train_tiny.yaml"), "--dry-run", f"data.eval={tmp_path / 'none.jsonl'}"])
+    out = capsys.readouterr().out
+    assert rc != 0 and "FAILED: data.eval" in out, out
