@@ -353,3 +353,31 @@ def test_two_jobs_started_together_on_the_same_ports_both_train(tmp_path: Path) 
     plans = [json.loads((run / "plan.json").read_text()) for run in runs]
     ports = [{s["port"] for s in p["servers"]} | {p["trainer"]["master_port"]} for p in plans]
     assert not ports[0] & ports[1], ports
+
+
+def test_vllm_middleware_answers_the_identity_challenge_without_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM has no ``/run_identity``; the middleware the launcher always installs answers it, keyless, with
+    HMAC-SHA256 under the nonce of its environment, and without reaching vLLM."""
+    import asyncio
+    import hashlib
+    import hmac
+
+    from megatron_areal.run_identity import NONCE_ENV
+    from megatron_areal.vllm_plugin.admin_key import AdminKeyMiddleware
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    monkeypatch.setenv(NONCE_ENV, "n" * 32)
+    sent, reached = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/run_identity", "root_path": "", "headers": [],
+             "query_string": b"challenge=abc123"}
+    asyncio.run(AdminKeyMiddleware(app)(scope, None, send))
+    assert sent[0]["status"] == 200 and not reached
+    expected = hmac.new(b"n" * 32, b"abc123", hashlib.sha256).hexdigest()
+    assert json.loads(sent[1]["body"]) == {"proof": expected}
