@@ -381,3 +381,16 @@ def test_vllm_middleware_answers_the_identity_challenge_without_the_key(monkeypa
     assert sent[0]["status"] == 200 and not reached
     expected = hmac.new(b"n" * 32, b"abc123", hashlib.sha256).hexdigest()
     assert json.loads(sent[1]["body"]) == {"proof": expected}
+
+
+def test_dry_run_names_a_configured_port_that_is_busy_here(tiny_llama: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A second job's ``--dry-run`` while the first trains: the rendezvous port it would plan is in use."""
+    from megatron_areal.launch.cli import main as train_main
+
+    master = free_ports(1)[0]
+    with listening(master):
+        train_main([str(TINY), "--dry-run", f"cluster.master_port={master}"])
+    out = capsys.readouterr().out
+    assert any(line.startswith("warning: ") and f"port {master} (cluster.master_port) is busy" in line
+               for line in out.splitlines()), out
