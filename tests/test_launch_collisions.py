@@ -221,23 +221,30 @@ def test_registry_admits_only_a_server_that_proves_the_nonce(tmp_path: Path, tin
 
 
 def test_trainer_client_sends_nothing_keyed_to_a_server_that_is_not_the_runs(tmp_path: Path) -> None:
-    """The rollout client's re-admission probes (``health``, ``alive``) ask for the proof first, without the key;
-    a foreign server gets no request carrying the API key and is not admitted."""
+    """The rollout client's re-admission probes (``health``, ``alive``) and the first call of a weight push
+    (``pause``) ask for the proof first, without the key: a foreign server gets no request carrying the API
+    key, is not admitted, and is not paused."""
     import asyncio
 
-    from megatron_areal.rollout.client import RolloutClient
+    from megatron_areal.rollout.client import RolloutClient, ServerError
     from megatron_areal.run_identity import NONCE_ENV, new_nonce
 
     port = free_ports(1)[0]
 
-    async def probe() -> tuple[bool, bool]:
+    async def probe() -> tuple[bool, bool, str]:
         async with RolloutClient(f"http://127.0.0.1:{port}", api_key="sk-run-secret") as client:
-            return await client.health(2), await client.alive(2)
+            try:
+                await client.pause()  # the first call of a weight push
+                paused = "paused"
+            except ServerError as e:
+                paused = str(e)
+            return await client.health(2), await client.alive(2), paused
 
     os.environ[NONCE_ENV] = new_nonce()
     try:
         with foreign_http_server(port) as asked:
-            assert asyncio.run(probe()) == (False, False)
+            health, alive, paused = asyncio.run(probe())
+            assert (health, alive) == (False, False) and "not a server this run started" in paused
     finally:
         del os.environ[NONCE_ENV]
     assert asked and all(p.startswith("/run_identity?") for p in asked), asked

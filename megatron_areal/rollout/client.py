@@ -212,7 +212,9 @@ class RolloutClient:
         return result
 
     async def pause(self, mode: str = "abort") -> None:
-        """Pause generation; in ``abort`` mode running requests return with what they have."""
+        """Pause generation; in ``abort`` mode running requests return with what they have. The first call of
+        every weight push: the server must prove it is still this run's (``require_ours``)."""
+        await self.require_ours("/pause_generation")
         try:
             await self._request("POST", "/pause_generation", {"mode": mode})
         except ServerError as e:
@@ -254,6 +256,12 @@ class RolloutClient:
         if problem is not None:
             log.warning("server %s %s: not a server this run started; not admitted", self.url, problem)
         return problem is None
+
+    async def require_ours(self, endpoint: str) -> None:
+        """Raise ``ServerError`` unless the server proves it is this run's: a server that died since it was
+        admitted may have left its port to another process, which must not get our weights or our key."""
+        if not await self.is_ours():
+            raise ServerError(self.url, endpoint, "not a server this run started (no proof of the run's nonce)")
 
     async def alive(self, timeout_s: float = 5.0) -> bool:
         """Liveness without generating: ``/model_info`` answers while paused and during updates,
