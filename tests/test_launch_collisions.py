@@ -290,9 +290,9 @@ def test_a_rank_whose_main_work_fails_exits_despite_its_threads(tmp_path: Path) 
 def test_launcher_names_a_rank_whose_heartbeat_stopped(tmp_path: Path) -> None:
     """A rank whose main thread ended while its process stays (the unguarded case above) stops touching its
     heartbeat: the launcher's check names it once the bound has passed, and not before."""
-    from megatron_areal.launch.local import TrainerHeartbeats
+    from megatron_areal.launch.heartbeats import TrainerHeartbeats
 
-    watch = TrainerHeartbeats(tmp_path, 1, timeout_s=2.0)
+    watch = TrainerHeartbeats(tmp_path, range(1), timeout_s=2.0)
     rank = subprocess.Popen([sys.executable, "-c", LINGERING_RANK, str(tmp_path), "3", "plain"],
                             stderr=subprocess.DEVNULL)
     try:

@@ -22,6 +22,7 @@ import psutil
 from megatron_areal.config import Config
 from megatron_areal.launch.commands import role_env, server_command, shares_cores, trainer_command
 from megatron_areal.launch.describe import describe
+from megatron_areal.launch.heartbeats import TrainerHeartbeats
 from megatron_areal.launch.ports import PortClaims, taken_by
 from megatron_areal.launch.procs import Child, ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.progress import RunProgress
@@ -34,7 +35,6 @@ from megatron_areal.run.registry import clear_registrations, wait_for_servers
 from megatron_areal.run.rundir import RunDir
 from megatron_areal.run.secrets import apply_env_api_key, env_with_api_key, public_overrides
 from megatron_areal.run_identity import NONCE_ENV, new_nonce
-from megatron_areal.trainer.exit import heartbeat_path
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def _supervise(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, override
                           {name: slot.id for name, slot in servers.items()}, cfg.server.max_restarts,
                           cfg.server.restart_backoff_s)
     progress = RunProgress(cfg.train.run_dir, cfg.train.steps)
-    heartbeats = TrainerHeartbeats(run.root, t.nproc_per_node, cfg.cluster.progress_timeout_s)
+    heartbeats = TrainerHeartbeats(run.root, range(t.nproc_per_node), cfg.cluster.progress_timeout_s)
     watch = ServerWatch(keeper, servers, identity[NONCE_ENV], cfg.cluster.progress_timeout_s,
                         cfg.server.startup_timeout_s).start() if identity else None
     try:
@@ -192,25 +192,3 @@ def _port_reason(plan: Plan) -> str:
     return (f": its rendezvous port {t.master_addr}:{t.master_port} (cluster.master_port) is held by another "
             f"process{taken_by(t.master_port)}")
 
-
-class TrainerHeartbeats:
-    """The heartbeat files of this node's trainer ranks (``trainer/exit.py``): ``stuck()`` names a rank whose
-    file has not been touched for ``timeout_s`` (a rank not yet started has none and counts as live)."""
-
-    def __init__(self, run_root: Path, ranks: int, timeout_s: float) -> None:
-        self.paths = [heartbeat_path(run_root, r) for r in range(ranks)]
-        self.timeout_s = timeout_s
-        for p in self.paths:  # an earlier attempt's file must not count
-            p.unlink(missing_ok=True)
-
-    def stuck(self) -> str | None:
-        now = time.time()
-        for p in self.paths:
-            try:
-                age = now - p.stat().st_mtime
-            except OSError:
-                continue
-            if age > self.timeout_s:
-                return (f"trainer {p.name.replace('trainer-', '')} has shown no heartbeat for {age:.0f} s "
-                        f"(cluster.progress_timeout_s {self.timeout_s:.0f}): its main work ended or it is frozen")
-        return None
