@@ -24,6 +24,7 @@ _EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 # here and there; 336 bytes of anchors referencing anchors ("billion laughs") expand to 43 million
 # strings, whose construction and error message took 13 s and 1.4 GB.
 MAX_ALIAS_EXPANSION = 10_000
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser where PyYAML was built with it
 _SHOWN = reprlib.Repr()
 _SHOWN.maxstring = _SHOWN.maxother = 120
 _SHOWN.maxlist = _SHOWN.maxdict = 8
@@ -63,7 +64,7 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int], path: set[int]) -> in
 def safe_yaml(text: str) -> Any:
     """``yaml.safe_load``, refusing aliases that would grow the document by more than
     ``MAX_ALIAS_EXPANSION`` values (or refer to themselves) before anything is constructed."""
-    loader = yaml.SafeLoader(text)
+    loader = _LOADER(text)
     try:
         node = loader.get_single_node()
         if node is None:
@@ -80,8 +81,12 @@ def safe_yaml(text: str) -> Any:
         loader.dispose()
 
 
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 def _suggest(name: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name[:200], valid, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(valid))})"
 
 
@@ -159,7 +164,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
         if name not in types_:
-            raise ConfigError(f"unknown key '{key}'{_suggest(name, list(types_))}")
+            raise ConfigError(f"unknown key '{_cut(key)}'{_suggest(name, list(types_))}")
         kwargs[name] = _convert(value, types_[name], key)
     try:
         obj = cls(**kwargs)
@@ -193,9 +198,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         return path, safe_yaml(raw) if raw.strip() else ""
     except ConfigError as e:
-        raise ConfigError(f"{key.strip()}: {e}") from None
+        raise ConfigError(f"{_cut(key.strip())}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{key.strip()}: invalid YAML value: {str(e)[:500]}") from None
+        raise ConfigError(f"{_cut(key.strip())}: invalid YAML value: {str(e)[:500]}") from None
 
 
 def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -207,16 +212,16 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> di
             types_ = _field_types(node_cls)
             dotted = ".".join(path[: i + 1])
             if part not in types_:
-                raise ConfigError(f"unknown key '{dotted}'{_suggest(part, list(types_))}")
+                raise ConfigError(f"unknown key '{_cut(dotted)}'{_suggest(part, list(types_))}")
             if i == len(path) - 1:
                 node[part] = value
             else:
                 sub = types_[part]
                 if not dataclasses.is_dataclass(sub):
-                    raise ConfigError(f"'{dotted}' is a value, not a section")
+                    raise ConfigError(f"'{_cut(dotted)}' is a value, not a section")
                 node = node.setdefault(part, {})
                 if not isinstance(node, dict):
-                    raise ConfigError(f"'{dotted}' must be a section")
+                    raise ConfigError(f"'{_cut(dotted)}' must be a section")
                 node_cls = sub
     return data
 
