@@ -2,7 +2,9 @@
 
 ``python -m megatron_areal.trainer --plan RUN_DIR/plan.json CONFIG [key=value ...]``
 waits for the rollout servers of the plan to register, then hands over to the training loop. The API
-key comes from ``MEGATRON_AREAL_API_KEY`` (run/secrets.py); SIGUSR1 asks for a checkpoint and a stop.
+key comes from ``MEGATRON_AREAL_API_KEY`` (run/secrets.py); SIGUSR1 asks for a checkpoint and a stop. Only
+servers that prove they hold the run's nonce are used (``run_identity.py``); a failure ends the rank at once,
+whatever threads it started, and a heartbeat file tells the launcher it lives (``trainer/exit.py``).
 """
 from __future__ import annotations
 
