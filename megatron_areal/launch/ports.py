@@ -14,26 +14,36 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 import psutil
 
 from megatron_areal.netutil import free_port, port_free
+from megatron_areal.run.errors import LaunchError
 
 logger = logging.getLogger(__name__)
 
 
 def claims_dir() -> Path:
-    """``$TMPDIR/megatron-areal-ports``: shared by every run on the machine (sticky and world-writable, like /tmp)."""
-    path = Path(tempfile.gettempdir()) / "megatron-areal-ports"
+    """``$TMPDIR/megatron-areal-ports``, shared by every run on the machine (sticky and world-writable, like
+    /tmp); a per-user folder instead where that one belongs to another user who did not open it to all."""
+    tmp = Path(tempfile.gettempdir())
+    shared = tmp / "megatron-areal-ports"
     try:
-        path.mkdir(mode=0o1777, exist_ok=True)
-        if path.stat().st_uid == os.getuid():
-            path.chmod(0o1777)
+        shared.mkdir(mode=0o1777, exist_ok=True)
+        info = shared.lstat()
+        if info.st_uid == os.getuid():
+            shared.chmod(0o1777)
+            return shared
+        if info.st_uid == 0 and stat.S_ISDIR(info.st_mode) and info.st_mode & 0o1777 == 0o1777:
+            return shared
     except OSError:
         pass
-    return path
+    own = tmp / f"megatron-areal-ports-{os.getuid()}"
+    own.mkdir(mode=0o700, exist_ok=True)
+    return own
 
 
 class PortClaims:
@@ -49,7 +59,8 @@ class PortClaims:
             return True
         path = self.directory / f"{port}.lock"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)  # read-only is enough for flock
+            # read-only is enough for flock; never through a link another user planted
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
             return False
         try:
@@ -69,13 +80,14 @@ class PortClaims:
         self.release(port)
         return False
 
-    def pick(self, host: str, avoid: set[int]) -> int:
+    def pick(self, host: str, avoid: set[int], tries: int = 200) -> int:
         """A port free now, claimed for this run, and not in ``avoid``."""
-        while True:
+        for _ in range(tries):
             port = free_port(host, avoid)
             if self.usable(host, port):
                 return port
             avoid = {*avoid, port}
+        raise LaunchError(f"no free port on {host} that could be claimed in {self.directory} after {tries} tries")
 
     def release(self, port: int | None = None) -> None:
         """Give back ``port`` (default: every port)."""
