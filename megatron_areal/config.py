@@ -14,7 +14,15 @@ from megatron_areal.algorithm.config import PPOConfig
 from megatron_areal.checkpoint.config import CheckpointConfig
 from megatron_areal.cluster.config import ClusterConfig
 from megatron_areal.cluster.sim_config import SimConfig
-from megatron_areal.configbase import ConfigError, apply_overrides, from_dict, load_yaml, require, to_dict
+from megatron_areal.configbase import (
+    ConfigError,
+    apply_overrides,
+    directory_problem,
+    from_dict,
+    load_yaml,
+    require,
+    to_dict,
+)
 from megatron_areal.data.config import DataConfig
 from megatron_areal.realloc.config import ReallocConfig
 from megatron_areal.reward.config import RewardConfig
@@ -50,6 +58,9 @@ class TrainConfig:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.steps >= 0, "steps", "must be >= 0")
         require(self.eval_every >= 0, "eval_every", "must be >= 0")
+        require(bool(self.run_dir), "run_dir", "must not be empty")
+        problem = directory_problem(self.run_dir)
+        require(problem is None, "run_dir", f"{problem}: the run writes its servers, logs and checkpoints there")
 
 
 @dataclass(kw_only=True)
@@ -76,10 +87,38 @@ class Config:
         """Checks across sections (each section validates itself first)."""
         require(not self.ppo.routing_replay or self.rollout.return_routed_experts, "ppo.routing_replay",
                 "true requires rollout.return_routed_experts: true (the rollout's routes are what the trainer replays)")
+        if self.realloc.method == "disk" and self.realloc.disk_dir:
+            problem = directory_problem(self.realloc.disk_dir)
+            require(problem is None, "realloc.disk_dir", str(problem))
+        if self.rollout.workflow:
+            problem = workflow_problem(self.rollout.workflow)
+            require(problem is None, "rollout.workflow", str(problem))
         longest = min(self.server.context_length or self.model.max_seq_len, self.model.max_seq_len)
         require(self.rollout.max_new_tokens < longest, "rollout.max_new_tokens",
                 f"({self.rollout.max_new_tokens}) leaves no room for a prompt in sequences of {longest} tokens "
                 "(model.max_seq_len, server.context_length): every request would be refused")
+
+
+def workflow_problem(spec: str) -> str | None:
+    """Why ``spec`` is not an agent the rollout can run - importable, ``async def f(task, client)`` - else None.
+    Imports the user's module, as the trainer will."""
+    import inspect
+
+    from megatron_areal.agent.workflow import WorkflowError, load_workflow
+
+    try:
+        fn = load_workflow(spec)
+    except WorkflowError as e:
+        return str(e).removeprefix("rollout.workflow: ")
+    except Exception as e:  # noqa: BLE001 - the user's module raised on import: say what
+        return f"importing {spec.partition(':')[0]!r} raised {type(e).__name__}: {str(e)[:200]}"
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        return f"{spec} must take two arguments (task, client)"
+    except ValueError:  # no signature to read (a builtin): not a function of the user's
+        return f"{spec} must be an async function (task, client)"
+    return None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -101,6 +101,8 @@ def test_run_stops_when_no_server_is_left(tmp_path: Path) -> None:
     launcher = start_launcher(run_dir, "server.max_restarts=0")
     try:
         wait_until(lambda: servers_registered(run_dir, 2), 120, "two servers to register")
+        # once the launcher admitted them (each proved it is this run's) and started the trainer
+        wait_until(lambda: procs_mentioning(str(run_dir / "plan.json")), 60, "the trainer")
         for f in list((run_dir / "servers").iterdir()):
             os.kill(json.loads(f.read_text())["pid"], signal.SIGKILL)
         out, _ = launcher.communicate(timeout=60)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_areal.configbase import require
+from megatron_areal.configbase import directory_problem, require
 
 
 @dataclass(kw_only=True)
@@ -19,3 +19,5 @@ class CheckpointConfig:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.every >= 0, "every", "must be >= 0")
         require(self.keep >= 1, "keep", "must be >= 1")
+        problem = directory_problem(self.dir) if self.dir else None
+        require(problem is None, "dir", str(problem))

@@ -29,6 +29,10 @@ class ClusterConfig:
     # Slurm USR1 (time limit near): how long the trainer may take to reach a step boundary and save a
     # checkpoint before the job requeues anyway; keep it below the lead time of #SBATCH --signal
     requeue_grace_s: float = 480.0
+    # A trainer rank touches a heartbeat file every few seconds while its main thread runs; one silent for
+    # longer than this has stopped (its main work ended but the process stays, or it is frozen): the
+    # launcher ends the run naming it
+    progress_timeout_s: float = 120.0
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
@@ -44,3 +48,4 @@ class ClusterConfig:
         require(self.model_params_b >= 0, "model_params_b", "must be >= 0")
         require(self.stop_grace_s >= 0, "stop_grace_s", "must be >= 0")
         require(self.requeue_grace_s >= 0, "requeue_grace_s", "must be >= 0")
+        require(self.progress_timeout_s >= 15, "progress_timeout_s", "must be >= 15 (heartbeats come every 5 s)")

@@ -43,8 +43,24 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     plan = make_plan(nodes, gpn, cfg.cluster, cfg.server, cfg.parallel.tp, cfg.parallel.pp)
     # inside the allocation the job starts from this filesystem, so its model must be here
     check_plan(plan, cfg, eta_is_explicit(args.config, args.overrides), model_here=in_allocation)
+    plan.warnings.extend(busy_here(cfg))
     print(describe(plan, args.config))
     return 0 if plan.ok else 1
+
+
+def busy_here(cfg: Config) -> list[str]:
+    """Warnings for configured ports something on this machine listens on now: a run started here moves off
+    them (``launch/local.py``), a Slurm job's nodes are other machines."""
+    from megatron_areal.launch.ports import taken_by
+    from megatron_areal.util.netutil import port_free
+
+    host = cfg.server.host
+    ports = {"cluster.master_port": cfg.cluster.master_port}
+    for k in range(cfg.server.count):
+        ports[f"server {k} (server.base_port + {k} x cluster.server_port_stride)"] = (
+            cfg.server.base_port + k * cfg.cluster.server_port_stride)
+    return [f"port {port} ({what}) is busy on this machine now{taken_by(port)}: a run started here moves off it"
+            for what, port in ports.items() if 0 < port < 65536 and not port_free(host, port)]
 
 
 def _parser() -> argparse.ArgumentParser:

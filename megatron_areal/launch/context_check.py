@@ -67,6 +67,7 @@ def check_context(plan: Plan, cfg: Config) -> None:
         plan.errors.append(f"rollout.max_new_tokens ({new}) leaves no room for a prompt in sequences of "
                            f"{limit.tokens} tokens ({limit.source}): every request would be refused; {fix}")
         return
+    _check_eval_data(plan, cfg)
     model_dir = prepared_model(cfg.model.path)
     if model_dir is None:
         plan.notes.append(f"prompt lengths not checked against rollout.max_new_tokens: {cfg.model.path} "
@@ -87,3 +88,14 @@ def check_context(plan: Plan, cfg: Config) -> None:
         plan.warnings.append(f"the longest prompts of data.train ({longest} tokens) + rollout.max_new_tokens "
                              f"({new}) exceed {limit.tokens} ({limit.source}): the servers refuse them and their "
                              f"groups are skipped ({limit.tokens - longest} new tokens would fit every prompt)")
+
+
+def _check_eval_data(plan: Plan, cfg: Config) -> None:
+    """``data.eval`` names a built-in task or a file here: the run reads it after it has started (the
+    starting policy's evaluation), where a missing file ends it."""
+    from megatron_areal.data import BUILTIN_TASKS
+
+    name = cfg.data.eval
+    if name and name not in BUILTIN_TASKS and not Path(name).is_file():
+        plan.errors.append(f"data.eval: '{name}' is neither a built-in task ({', '.join(sorted(BUILTIN_TASKS))}) "
+                           "nor a file on this machine")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from megatron_areal.config import Config, load_config
 from megatron_areal.launch.commands import role_env, server_command, shares_cores, trainer_command
+from megatron_areal.launch.heartbeats import TrainerHeartbeats
 from megatron_areal.launch.procs import Child, ProcessSet, ServerKeeper, Stopped, supervised
 from megatron_areal.launch.server_process import wait_healthy
 from megatron_areal.run.control import checkpoint_on_usr1
@@ -86,7 +87,14 @@ def run_trainer_node(plan: Plan, node: str, cfg: Config, args: argparse.Namespac
                                                                  threads=cfg.cluster.cpu_threads,
                                                                  allocator=cfg.cluster.cpu_allocator,
                                                                  shares_cores=shares_cores(plan, node, cfg)))
-    procs.wait_any()
+    ranks = range(rank * t.nproc_per_node, (rank + 1) * t.nproc_per_node)
+    heartbeats = TrainerHeartbeats(RunDir.of(cfg).resolved().root, ranks, cfg.cluster.progress_timeout_s)
+    while procs.first_exited() is None:
+        if (stuck := heartbeats.stuck()) is not None:
+            logger.error("stopping the trainer on node %s: %s; last lines of %s:\n%s", node, stuck, child.log_path,
+                         child.log_tail())
+            return 1
+        time.sleep(0.5)
     return child.returncode() or 0
 
 

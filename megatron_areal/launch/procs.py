@@ -120,6 +120,10 @@ class ProcessSet:
         self.children = [c for c in self.children if c is not child]
         return new
 
+    def kill(self, child: Child) -> None:
+        """SIGKILL ``child``'s process group (a stuck child: nothing of it is worth a grace period)."""
+        _signal_group(child.pid, signal.SIGKILL)
+
     def exited(self) -> list[Child]:
         return [c for c in self.children if c.returncode() is not None]
 

@@ -30,6 +30,7 @@ from megatron_areal.run.plan import Node, Plan, make_plan
 from megatron_areal.run.registry import clear_registrations, wait_for_servers
 from megatron_areal.run.secrets import apply_env_api_key, env_with_api_key, public_overrides
 from megatron_areal.rundir.layout import RunDir
+from megatron_areal.util.run_identity import NONCE_ENV, new_nonce
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,8 @@ def run_slurm(cfg: Config, config_path: str, overrides: list[str], eta_explicit:
     plan.save(run.plan)
     apply_env_api_key(cfg, env)
     env = env_with_api_key(env, cfg.server.api_key)  # srun hands the environment to every node
+    if cfg.server.engine in ("embedded", "vllm"):  # servers that answer /run_identity (SGLang serves no such route)
+        env[NONCE_ENV] = new_nonce()
     usr1 = RequeueOnUsr1(run.root, cfg.cluster.requeue_grace_s, env.get("SLURM_JOB_ID"))
     usr1.install()
     try:
@@ -229,7 +232,8 @@ def _run_steps(plan: Plan, cfg: Config, procs: ProcessSet, run: RunDir, config_p
         return (f"the rollout step exited with code {rollout.returncode()} before all servers registered; "
                 f"see {run.logs}/rollout-<node>.log and server-<id>.log. srun said:\n{rollout.log_tail()}")
 
-    wait_for_servers(run.servers, list(plan.servers), cfg.server.startup_timeout_s, rollout_died)
+    wait_for_servers(run.servers, list(plan.servers), cfg.server.startup_timeout_s, rollout_died,
+                     nonce=env.get(NONCE_ENV))
     trainer = procs.start("srun-trainer", srun_command(
         plan, "trainer", list(plan.trainer.nodes), run.logs,
         _role_entry("trainer", run.plan, config_path, overrides), env), env)

@@ -2,7 +2,9 @@
 ``python -m megatron_areal.launch.vllm_register DIR ID URL PID MODEL``.
 
 - Registers the server in the run directory ``DIR`` under ``ID`` once its ``/health`` answers (vLLM has no
-  registration of its own); an empty ``DIR`` registers nothing.
+  registration of its own) and, in a launched run, it proves it holds the run's nonce (``util/run_identity.py``):
+  a port that answers may be another job's server, when this one failed to bind it; an empty ``DIR``
+  registers nothing.
 - Reaps what the server leaves behind: vLLM computes in child processes (engine core, workers) that
   outlive an API server killed with SIGKILL and hold gigabytes; when ``PID`` is gone, the children it
   had are killed, so a restarted server does not run beside its predecessor's engine.
@@ -20,11 +22,16 @@ import urllib.request
 import psutil
 
 from megatron_areal.server.cli import write_registration
+from megatron_areal.util.run_identity import identity_problem, run_nonce
 
 POLL_S = 1.0
 
 
 def healthy(url: str) -> bool:
+    """``/health`` answers 200, from the server of this run (when the watcher has the run's nonce)."""
+    nonce = run_nonce()
+    if nonce and identity_problem(url, nonce) is not None:
+        return False
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as r:
             return r.status == 200

@@ -13,10 +13,13 @@ import base64
 import binascii
 import logging
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from megatron_areal.util import run_identity
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +212,9 @@ class RolloutClient:
         return result
 
     async def pause(self, mode: str = "abort") -> None:
-        """Pause generation; in ``abort`` mode running requests return with what they have."""
+        """Pause generation; in ``abort`` mode running requests return with what they have. The first call of
+        every weight push: the server must prove it is still this run's (``require_ours``)."""
+        await self.require_ours("/pause_generation")
         try:
             await self._request("POST", "/pause_generation", {"mode": mode})
         except ServerError as e:
@@ -233,9 +238,37 @@ class RolloutClient:
         """``/flush_cache``: drop the server's prefix cache."""
         await self._request("POST", "/flush_cache")
 
+    async def is_ours(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server proves it holds this run's nonce (``util/run_identity.py``); True outside a launched run.
+        Asked without the API key, before any keyed request: a restarted server's port may now be another
+        process's, which must get neither our requests nor our key."""
+        nonce = run_identity.run_nonce()
+        if not nonce:
+            return True
+        challenge = secrets.token_hex(16)
+        try:
+            async with aiohttp.ClientSession() as plain, plain.get(
+                    self.url + run_identity.ROUTE, params={"challenge": challenge},
+                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                problem = run_identity.check_reply(nonce, challenge, r.status, await r.content.read(4096))
+        except (TimeoutError, aiohttp.ClientError) as e:
+            problem = f"does not answer {run_identity.ROUTE} ({type(e).__name__})"
+        if problem is not None:
+            log.warning("server %s %s: not a server this run started; not admitted", self.url, problem)
+        return problem is None
+
+    async def require_ours(self, endpoint: str) -> None:
+        """Raise ``ServerError`` unless the server proves it is this run's: a server that died since it was
+        admitted may have left its port to another process, which must not get our weights or our key."""
+        if not await self.is_ours():
+            raise ServerError(self.url, endpoint, "not a server this run started (no proof of the run's nonce)")
+
     async def alive(self, timeout_s: float = 5.0) -> bool:
         """Liveness without generating: ``/model_info`` answers while paused and during updates,
-        where SGLang's ``/health`` (a one-token generation) waits and then says 503."""
+        where SGLang's ``/health`` (a one-token generation) waits and then says 503. Only a server of this
+        run counts (``is_ours``)."""
+        if not await self.is_ours(timeout_s):
+            return False
         try:
             await self._request("GET", "/model_info", timeout_s=timeout_s)
             return True
@@ -243,7 +276,10 @@ class RolloutClient:
             return False
 
     async def health(self, timeout_s: float = 5.0) -> bool:
-        """Whether ``/health`` answers 200 (SGLang generates a token for it: it waits while paused)."""
+        """Whether ``/health`` answers 200 (SGLang generates a token for it: it waits while paused), from a
+        server of this run (``is_ours``)."""
+        if not await self.is_ours(timeout_s):
+            return False
         try:
             await self._request("GET", "/health", timeout_s=timeout_s)
             return True

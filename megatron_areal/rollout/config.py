@@ -7,6 +7,11 @@ from megatron_areal.configbase import require
 
 # Beyond it sampling is close to uniform over the vocabulary: no policy left to improve.
 MAX_TEMPERATURE = 2.0
+# Below it (but above 0, greedy) the policy's logprobs stop being computable or comparable: dividing logits
+# by 1e-40 overflows fp32 and the trainer's log-softmax is NaN, and vLLM raises any temperature in (0, 0.01)
+# to 0.01 (``_MAX_TEMP`` in vllm/sampling_params.py, "may cause numerical errors nan or inf"), so its
+# tokens would be drawn at another temperature than the trainer scores them at.
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass(kw_only=True)
@@ -42,6 +47,9 @@ class RolloutConfig:
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         require(0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
                 f"must be in [0, {MAX_TEMPERATURE}] (0: greedy)")
+        require(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
+                f"{self.temperature:g} is below {MIN_TEMPERATURE}, where the trainer's logprobs overflow or differ "
+                "from the server's (use 0 for greedy)")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
         require(self.max_concurrent >= 1, "max_concurrent", "must be >= 1")

@@ -145,6 +145,7 @@ class VLLMClient(RolloutClient):
         project's ``retract``) freezes them until ``resume``."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {sorted(PAUSE_MODES)}")
+        await self.require_ours("/pause")  # the first call of every weight push
         await self._request("POST", f"/pause?mode={PAUSE_MODES[mode]}", {})
 
     async def resume(self) -> None:

@@ -18,10 +18,11 @@ from megatron_areal.server.protocol import BadRequest, Limits, parse_generate, r
 from megatron_areal.server.scheduler import Request
 from megatron_areal.server.weight_queue import WeightQueue
 from megatron_areal.server.weights import WeightError, parse_dtype
+from megatron_areal.util import run_identity
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = {"/health", "/health_generate", "/ready", "/metrics"}
+OPEN_PATHS = {"/health", "/health_generate", "/ready", "/metrics", run_identity.ROUTE}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -109,6 +110,7 @@ class Api:
         r.add_get("/v1/loads", self.loads)
         r.add_get("/v1/models", self.models)
         r.add_get("/weights_checksum", self.weights_checksum)
+        r.add_get(run_identity.ROUTE, self.run_identity)
         r.add_post("/init_weights_update_group", self.init_group)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_distributed", self.update_distributed)
@@ -293,6 +295,11 @@ class Api:
             await asyncio.to_thread(self.engine.abort, None)
         self.engine.weight_version = str(version)
         return web.json_response({"success": True, "message": f"weight version {version}"})
+
+    async def run_identity(self, request: web.Request) -> web.Response:
+        """Proof that this server holds the nonce of the run that started it (``megatron_areal/run_identity.py``)."""
+        status, body = run_identity.answer(request.query.get("challenge", ""))
+        return web.json_response(body, status=status)
 
     async def model_info(self, request: web.Request) -> web.Response:
         """``/model_info``: model path, architecture, weight version and context length; answers while

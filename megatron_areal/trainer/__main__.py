@@ -4,7 +4,9 @@
 checks that the installed megatron-core is the one our changes to it are written against
 (``patches/upstream.py``; a mismatch stops the rank with an error naming it), waits for the rollout servers
 of the plan to register, then hands over to the training loop. The API
-key comes from ``MEGATRON_AREAL_API_KEY`` (run/secrets.py); SIGUSR1 asks for a checkpoint and a stop.
+key comes from ``MEGATRON_AREAL_API_KEY`` (run/secrets.py); SIGUSR1 asks for a checkpoint and a stop. Only
+servers that prove they hold the run's nonce are used (``util/run_identity.py``); a failure ends the rank at once,
+whatever threads it started, and a heartbeat file tells the launcher it lives (``trainer/exit.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from megatron_areal.run.registry import wait_for_servers
 from megatron_areal.run.secrets import apply_env_api_key
 from megatron_areal.rundir.layout import RunDir
 from megatron_areal.trainer import run_timeline
+from megatron_areal.trainer.exit import heartbeat_path, run_rank, start_heartbeat
+from megatron_areal.util.run_identity import run_nonce
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +42,13 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     upstream.check()  # before anything runs on a megatron-core our patches do not fit
     cfg = apply_env_api_key(load_config(args.config, args.overrides))
+    start_heartbeat(heartbeat_path(RunDir.of(cfg).resolved().root, rank))
     checkpoint_on_usr1(cfg.train.run_dir, f"trainer rank {rank}")  # any rank's USR1 asks for one
     if rank == "0":
         run_timeline.begin(Path(args.plan))
     plan = Plan.load(args.plan)
     registrations = RunDir.of(cfg).resolved().servers
-    urls = wait_for_servers(registrations, list(plan.servers), cfg.server.startup_timeout_s)
+    urls = wait_for_servers(registrations, list(plan.servers), cfg.server.startup_timeout_s, nonce=run_nonce())
     run_timeline.servers_ready(registrations, urls)
     from megatron_areal.trainer.loop import run_trainer  # heavy (Megatron); imported once the servers are up
 
@@ -52,4 +57,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(main))

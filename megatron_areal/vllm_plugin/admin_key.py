@@ -16,9 +16,12 @@ import json
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qs
+
+from megatron_areal.util import run_identity
 
 KEY_ENV = "VLLM_API_KEY"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", run_identity.ROUTE})
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]], Awaitable[None]]
@@ -42,6 +45,12 @@ class AdminKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Callable[..., Awaitable[Any]],
                        send: Callable[..., Awaitable[Any]]) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http" and path == run_identity.ROUTE:  # vLLM has no such route: answered here
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            status, reply = run_identity.answer(query.get("challenge", [""])[0])
+            await _send_json(send, status, reply)
+            return
         guarded = (self.expected is not None and scope["type"] in ("http", "websocket")
                    and scope.get("method") != "OPTIONS"
                    and scope["path"].removeprefix(scope.get("root_path", "")) not in OPEN_PATHS)
@@ -49,10 +58,13 @@ class AdminKeyMiddleware:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            body = json.dumps({"error": "Unauthorized: this server needs its API key"}).encode()
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await _send_json(send, 401, {"error": "Unauthorized: this server needs its API key"})
             return
         await self.app(scope, receive, send)
+
+
+async def _send_json(send: Callable[..., Awaitable[Any]], status: int, reply: dict[str, str]) -> None:
+    body = json.dumps(reply).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
