@@ -254,7 +254,8 @@ def test_trainer_client_sends_nothing_keyed_to_a_server_that_is_not_the_runs(tmp
 
 LINGERING_RANK = """
 import os, sys, threading, time
-from megatron_areal.trainer.exit import run_rank, start_heartbeat, heartbeat_path
+from megatron_areal.rundir.layout import heartbeat_path
+from megatron_areal.trainer.exit import run_rank, start_heartbeat
 
 def main():
     start_heartbeat(heartbeat_path(sys.argv[1], 0), interval_s=0.2)

@@ -5,7 +5,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from megatron_areal.trainer.exit import heartbeat_path
+from megatron_areal.rundir.layout import heartbeat_path
 
 
 class TrainerHeartbeats:

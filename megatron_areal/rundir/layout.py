@@ -101,3 +101,8 @@ class RunDir:
     def timeline_summary(self) -> Path:
         """Seconds per activity per role, and the run's wall time."""
         return self.root / "timeline_summary.json"
+
+
+def heartbeat_path(run_dir: str | Path, rank: int | str) -> Path:
+    """The file trainer rank ``rank`` touches while its main thread runs."""
+    return Path(run_dir) / "heartbeats" / f"trainer-rank{rank}"

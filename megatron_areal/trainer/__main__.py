@@ -22,9 +22,9 @@ from megatron_areal.run.control import checkpoint_on_usr1
 from megatron_areal.run.plan import Plan
 from megatron_areal.run.registry import wait_for_servers
 from megatron_areal.run.secrets import apply_env_api_key
-from megatron_areal.rundir.layout import RunDir
+from megatron_areal.rundir.layout import RunDir, heartbeat_path
 from megatron_areal.trainer import run_timeline
-from megatron_areal.trainer.exit import heartbeat_path, run_rank, start_heartbeat
+from megatron_areal.trainer.exit import run_rank, start_heartbeat
 from megatron_areal.util.run_identity import run_nonce
 
 logger = logging.getLogger(__name__)

@@ -25,11 +25,6 @@ LINGER_S = 60.0  # how long a rank that succeeded waits for its own threads befo
 _PORT_IN_USE = ("EADDRINUSE", "address already in use")
 
 
-def heartbeat_path(run_dir: str | Path, rank: int | str) -> Path:
-    """The file trainer rank ``rank`` touches while its main thread runs."""
-    return Path(run_dir) / "heartbeats" / f"trainer-rank{rank}"
-
-
 def start_heartbeat(path: Path, interval_s: float = HEARTBEAT_S) -> threading.Thread:
     """Touch ``path`` every ``interval_s`` while the main thread is alive (a daemon: it never holds the exit)."""
     main = threading.main_thread()
