@@ -305,7 +305,10 @@ BIG = "v" * 8_000_000
     pytest.param("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
                                                 "world_size": 2, "group_name": "g" * 1_000_000}, "group_name",
                  id="group-name"),
+    pytest.param("/update_weights_from_distributed", {"names": ["n" * 2000], "dtypes": ["float32"], "shapes": [[1]]},
+                 "names", id="tensor-name"),
     pytest.param("/abort_request", {"rid": "r" * 1_000_000}, "rid", id="abort-rid"),
+    pytest.param("/pause_generation", {"mode": "m" * 8_000_000}, "mode", id="any-string-field"),
 ])
 def test_client_strings_are_bounded(server, path, body, field) -> None:
     status, reply = call(server.url, path, body)
@@ -314,11 +317,14 @@ def test_client_strings_are_bounded(server, path, body, field) -> None:
     assert call(server.url, "/model_info")[1]["weight_version"] != BIG
 
 
-def test_an_error_reply_does_not_echo_a_long_value(server) -> None:
-    status, reply = call(server.url, "/pause_generation", {"mode": "m" * 8_000_000})
-    assert status == 400 and "mode" in message(reply), message(reply)[:300]
+@pytest.mark.parametrize("body", [
+    pytest.param({"input_ids": [1], "k" * 8_000_000: 1}, id="unknown-key"),
+    pytest.param({"input_ids": [1], "sampling_params": {"k" * 8_000_000: 1}}, id="unknown-sampling-key"),
+])
+def test_an_error_reply_does_not_echo_a_long_value(server, body) -> None:
+    status, reply = call(server.url, "/generate", body)
+    assert status == 400 and "unknown field" in message(reply), message(reply)[:300]
     assert len(json.dumps(reply)) < 10_000, f"the 400 echoes {len(json.dumps(reply))} bytes"
-    call(server.url, "/continue_generation", {})
 
 
 def test_a_long_version_cannot_multiply_into_a_huge_reply(server) -> None:
