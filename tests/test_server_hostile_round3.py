@@ -165,6 +165,49 @@ def test_the_trainers_idle_keep_alive_connection_survives_a_keyless_flood(server
             s.close()
 
 
+def test_a_new_connection_replaces_keyless_requests_before_keyed_ones() -> None:
+    """The guard alone, over real sockets, with requests marked as the API's middleware marks them: at the
+    limit, a connection busy with a keyless request makes room; one busy with a keyed request never does."""
+    import asyncio
+
+    from megatron_areal.server.connections import ConnectionGuard, ConnectionLimits
+
+    async def scenario() -> None:
+        guard, seen = ConnectionGuard(ConnectionLimits(max_connections=3)), []
+
+        class Seen(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                seen.append(transport)
+
+        listener = await asyncio.get_running_loop().create_server(guard.factory(Seen), "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        writers = []
+
+        async def connect(n: int) -> None:
+            writers.append((await asyncio.open_connection("127.0.0.1", port))[1])
+            while len(seen) < n:
+                await asyncio.sleep(0.01)
+
+        try:
+            for n in (1, 2, 3):
+                await connect(n)
+            guard.started(seen[0], keyed=True)
+            guard.started(seen[1], keyed=False)
+            guard.started(seen[2], keyed=True)
+            await connect(4)
+            assert [t.is_closing() for t in seen] == [False, True, False, False]
+            guard.started(seen[3], keyed=True)
+            await connect(5)  # every connection is handling a keyed request: the new one is refused
+            assert [t.is_closing() for t in seen] == [False, True, False, False, True]
+        finally:
+            for w in writers:
+                w.close()
+            guard.close()
+            listener.close()
+
+    asyncio.run(scenario())
+
+
 def test_health_tells_a_keyless_client_nothing_about_a_pause(server) -> None:
     """Answered at once and the same as when generating; the trainer's keyed probe keeps SGLang's wait."""
     unpaused = {p: call(server.url, p, key=None, timeout=5) for p in ("/health", "/health_generate", "/ready")}
@@ -340,8 +383,12 @@ def test_a_long_version_cannot_multiply_into_a_huge_reply(server) -> None:
 
 
 # ---- big bodies are parsed off the event loop --------------------------------------------------
-def test_big_input_ids_bodies_do_not_stall_health(server) -> None:
-    body = json.dumps({"input_ids": [7] * 5_000_000, "sampling_params": {"max_new_tokens": 1}}).encode()
+@pytest.mark.parametrize("shape,refusal", [
+    pytest.param({"input_ids": [7] * 5_000_000, "sampling_params": {"max_new_tokens": 1}}, "context", id="input_ids"),
+    pytest.param({"input_ids": [[]] * 3_700_000}, "values", id="empty-rows"),
+])
+def test_big_bodies_do_not_stall_health(server, shape, refusal) -> None:
+    body = json.dumps(shape).encode()
     assert 14e6 < len(body) < 16 * 2**20
     with ThreadPoolExecutor(8) as ex:
         pending = [ex.submit(call, server.url, "/generate", raw=body, timeout=300) for _ in range(8)]
@@ -352,7 +399,7 @@ def test_big_input_ids_bodies_do_not_stall_health(server) -> None:
             probes.append((status, round(time.monotonic() - start, 2), why if status != 200 else ""))
             time.sleep(0.2)
         replies = [p.result() for p in pending]
-    assert all(status == 400 and "context" in message(reply) for status, reply in replies), \
+    assert all(status == 400 and refusal in message(reply) for status, reply in replies), \
         [(s, message(r)[:200]) for s, r in replies]
     failed = [p for p in probes if p[0] != 200]
     assert probes and not failed, f"/health within the client's {CLIENT_HEALTH_TIMEOUT_S:.0f}s while 8 bodies " \

@@ -350,12 +350,7 @@ class Api:
         """``/update_weights_from_distributed``: receive one bucket of tensors by broadcast from the
         trainer and install it."""
         b = await self._body(request)
-        names, dtypes, shapes = field(b, "names", list), field(b, "dtypes", list), field(b, "shapes", list)
-        if not (len(names) == len(dtypes) == len(shapes)) or not all(isinstance(n, str) for n in names) \
-                or not all(isinstance(s, list) for s in shapes):
-            raise BadRequest("names, dtypes and shapes must be lists of equal length")
-        if any(len(n) > MAX_TENSOR_NAME_CHARS for n in names):
-            raise BadRequest(f"names: a tensor name has more than {MAX_TENSOR_NAME_CHARS} characters")
+        names, dtypes, shapes = await self.parsers.maybe(request, lambda: _bucket_lists(b))
         load_format = field(b, "load_format", str, "")
         if load_format not in ("", "flattened_bucket"):
             raise BadRequest(f"load_format {load_format!r} is not supported")
@@ -394,6 +389,17 @@ class Api:
         if asked <= 0:
             raise BadRequest(f"timeout_s: {asked} must be > 0")
         return min(float(asked), limit)
+
+
+def _bucket_lists(b: dict[str, Any]) -> tuple[list[str], list[Any], list[list[Any]]]:
+    """The ``names``, ``dtypes`` and ``shapes`` of an update from the trainer, checked as lists of equal length."""
+    names, dtypes, shapes = field(b, "names", list), field(b, "dtypes", list), field(b, "shapes", list)
+    if not (len(names) == len(dtypes) == len(shapes)) or not all(isinstance(n, str) for n in names) \
+            or not all(isinstance(s, list) for s in shapes):
+        raise BadRequest("names, dtypes and shapes must be lists of equal length")
+    if any(len(n) > MAX_TENSOR_NAME_CHARS for n in names):
+        raise BadRequest(f"names: a tensor name has more than {MAX_TENSOR_NAME_CHARS} characters")
+    return names, dtypes, shapes
 
 
 def _error_status(req: Request) -> int:

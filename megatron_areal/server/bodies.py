@@ -1,11 +1,11 @@
 """Request bodies of the embedded server: read under a deadline, parsed off the event loop when large,
 and each field checked for its type and bounded in length.
 
-Decoding a 15 MB JSON body takes about half a second inside ``json.loads``, which holds the GIL
-throughout; on the event loop that stalls every other request (``/health`` included) for as long.
-So a body larger than ``INLINE_PARSE_BYTES`` is decoded, and its route's validation run, on
-``ParsePool``'s threads, at most ``PARSE_THREADS`` at a time: the event loop then competes for
-the GIL with at most that many parsers, however many large bodies arrive together.
+Decoding a 15 MB JSON body takes around a second inside ``json.loads``, which holds the GIL
+throughout: on the event loop, or on any thread of the server, that stalls every other request
+(``/health`` included) for as long. So a body larger than ``INLINE_PARSE_BYTES`` is decoded in a
+helper process (``body_decoder``), and its route's validation runs on ``ParsePool``'s threads,
+whatever the body's shape.
 
 A string a client sends may come back in a reply, once per sequence of a ``/generate`` (the
 weight version) or in an error message; each is bounded here, and an error message is cut to
@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from megatron_areal.server.body_decoder import BodyDecoder, DecodeError
 from megatron_areal.server.config import MAX_VERSION_CHARS
 from megatron_areal.server.protocol import BadRequest
 
@@ -45,6 +46,7 @@ class ParsePool:
 
     def __init__(self, threads: int = PARSE_THREADS) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="body-parse")
+        self.decoder = BodyDecoder()
 
     async def run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
@@ -57,14 +59,18 @@ class ParsePool:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.decoder.close()
 
 
-def decode_object(raw: bytes, optional: bool = False) -> dict[str, Any]:
-    """A JSON object from a body; BadRequest for anything else."""
+def decode_object(raw: bytes, optional: bool = False, decoder: BodyDecoder | None = None) -> dict[str, Any]:
+    """A JSON object from a body (decoded by ``decoder``'s helper process when given); BadRequest for
+    anything else."""
     if not raw.strip() and optional:
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw) if decoder is None else decoder.decode(raw)
+    except DecodeError as e:
+        raise BadRequest(str(e)) from None
     except ValueError as e:  # bad syntax or encoding, an integer past Python's 4300-digit limit
         raise BadRequest(f"malformed JSON body: {e}") from None
     except RecursionError:
@@ -83,7 +89,7 @@ async def read_json(request: web.Request, pool: ParsePool, *, optional: bool = F
         raise SlowBody(reason=f"the request body did not arrive within {timeout_s:.0f}s") from None
     request[BODY_BYTES] = len(raw)
     if len(raw) > INLINE_PARSE_BYTES:
-        return await pool.run(lambda: decode_object(raw, optional))
+        return await pool.run(lambda: decode_object(raw, optional, pool.decoder))
     return decode_object(raw, optional)
 
 
