@@ -34,7 +34,8 @@ OPEN_PATHS = {"/health", "/health_generate", "/ready", "/metrics"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-KEYED = "keyed"  # the request's key: it carries the API key, or the server has none
+# The request's key: it carries the API key, or the server has none (a typed key from aiohttp 3.12).
+KEYED: Any = web.RequestKey("keyed", bool) if hasattr(web, "RequestKey") else "keyed"
 # Tensor names in a bucket: HF names are about a hundred characters.
 MAX_TENSOR_NAME_CHARS = 1024
 REPLY_INLINE_TOKENS = 4096  # a /generate reply with more output tokens is encoded on a parser thread

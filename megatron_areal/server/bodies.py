@@ -28,7 +28,8 @@ from megatron_areal.server.protocol import BadRequest
 T = TypeVar("T")
 INLINE_PARSE_BYTES = 64 * 2**10  # decoded on the event loop below this (well under a millisecond)
 PARSE_THREADS = 2
-BODY_BYTES = "body_bytes"  # the request's key for its body's size, for the route's own parse
+# The request's key for its body's size, for the route's own parse (a typed key from aiohttp 3.12).
+BODY_BYTES: Any = web.RequestKey("body_bytes", int) if hasattr(web, "RequestKey") else "body_bytes"
 # Strings a client sends (a weight version, MAX_VERSION_CHARS, is copied into every sequence's reply):
 # names are keys of the server's state, paths can be long.
 MAX_NAME_CHARS = 256
