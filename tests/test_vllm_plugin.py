@@ -113,3 +113,21 @@ def test_cpu_servers_compute_in_the_trainers_dtype(dtype: str) -> None:
     requested = torch.float32 if dtype == "auto" else getattr(torch, dtype)
     trainer = runnable_dtype(requested, torch.device("cpu"), "model.dtype")
     assert vllm_spec(slot, cfg, "/model").dtype == str(trainer).removeprefix("torch.")
+
+
+@pytest.mark.skipif(not Path(VLLM_PYTHON).exists(), reason=f"no vLLM environment at {VLLM_PYTHON}")
+@pytest.mark.parametrize("dtype", ["int64", "bool"])
+def test_a_bucket_of_non_float_tensors_is_refused(dtype: str) -> None:
+    """Copying integers into a float parameter succeeds and truncates the weights: refused, naming the tensor."""
+    probe = (
+        "from megatron_areal.vllm_plugin.group_engine import GroupUpdateInfo\n"
+        "try:\n"
+        f"    GroupUpdateInfo(names=['model.norm.weight'], dtypes=[{dtype!r}], shapes=[[4]])\n"
+        "    print('accepted')\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n")
+    out = subprocess.run([VLLM_PYTHON, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("refused:") and "model.norm.weight" in last and dtype in last, last

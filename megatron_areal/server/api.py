@@ -12,9 +12,18 @@ from typing import Any
 
 from aiohttp import web
 
+from megatron_areal.server.bodies import (
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    ParsePool,
+    clip,
+    field,
+    read_json,
+    version_field,
+)
 from megatron_areal.server.connections import ConnectionGuard, ConnectionLimits
 from megatron_areal.server.engine import Engine, QueueFull
-from megatron_areal.server.protocol import BadRequest, Limits, parse_generate, response
+from megatron_areal.server.protocol import MAX_RID_CHARS, BadRequest, Limits, parse_generate, response
 from megatron_areal.server.scheduler import Request
 from megatron_areal.server.weight_queue import WeightQueue
 from megatron_areal.server.weights import WeightError, parse_dtype
@@ -26,46 +35,19 @@ OPEN_PATHS = {"/health", "/health_generate", "/ready", "/metrics", run_identity.
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+# The request's key: it carries the API key, or the server has none (a typed key from aiohttp 3.12).
+KEYED: Any = web.RequestKey("keyed", bool) if hasattr(web, "RequestKey") else "keyed"
+# Tensor names in a bucket: HF names are about a hundred characters.
+MAX_TENSOR_NAME_CHARS = 1024
+REPLY_INLINE_TOKENS = 4096  # a /generate reply with more output tokens is encoded on a parser thread
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    return web.json_response({"error": {"message": clip(message), "code": status}}, status=status)
 
 
 def _refused(message: str) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=400)
-
-
-class SlowBody(web.HTTPRequestTimeout):
-    """The client did not send its body within the server's deadline (408)."""
-
-
-async def _json(request: web.Request, optional: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
-    try:  # over client_max_size: aiohttp raises 413
-        raw = await asyncio.wait_for(request.read(), timeout=timeout_s)
-    except TimeoutError:
-        raise SlowBody(reason=f"the request body did not arrive within {timeout_s:.0f}s") from None
-    if not raw.strip() and optional:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:  # bad syntax or encoding, an integer past Python's 4300-digit limit
-        raise BadRequest(f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise BadRequest("malformed JSON body: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
-
-
-def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    if key not in body or body[key] is None:
-        if default is ...:
-            raise BadRequest(f"missing field {key!r}")
-        return default
-    value = body[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
-                                                                                 else (kind,))):
-        raise BadRequest(f"{key}: wrong type {type(value).__name__}")
-    return value
+    return web.json_response({"success": False, "message": clip(message)}, status=400)
 
 
 class Api:
@@ -91,6 +73,7 @@ class Api:
         # group follow the trainer's order, no two groups receive at once, and a join that hangs
         # never occupies the threads that pause, continue and abort use.
         self.weights = WeightQueue()
+        self.parsers = ParsePool()
 
     def app(self, max_body_bytes: int) -> web.Application:
         """The aiohttp application with SGLang's routes, the API-key middleware and the body size limit."""
@@ -123,14 +106,15 @@ class Api:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         transport = request.transport
-        self.connections.started(transport)
+        keyed = request[KEYED] = not self.api_key or self._authorized(request)
+        self.connections.started(transport, keyed=keyed)
         try:
             return await self._handle(request, handler)
         finally:
-            self.connections.finished(transport)
+            self.connections.finished(transport, keyed=keyed)
 
     async def _handle(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.api_key and request.path not in OPEN_PATHS and not self._authorized(request):
+        if not request[KEYED] and request.path not in OPEN_PATHS:
             # Refused before the body is read, and the connection is closed rather than drained.
             refused = web.json_response({"error": "Unauthorized"}, status=401)
             refused.force_close()
@@ -153,7 +137,8 @@ class Api:
         return hmac.compare_digest(given, f"Bearer {self.api_key}".encode())
 
     async def _body(self, request: web.Request, optional: bool = False) -> dict[str, Any]:
-        return await _json(request, optional, timeout_s=self.connections.limits.body_timeout_s)
+        return await read_json(request, self.parsers, optional=optional,
+                               timeout_s=self.connections.limits.body_timeout_s)
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
@@ -163,9 +148,9 @@ class Api:
         e = self.engine
         parse = functools.partial(parse_generate, body, tokenizer=self.tokenizer, vocab=e.arch.vocab_size,
                                   limits=self.limits)
-        # Tokenising runs on a worker thread (the tokenizer releases the GIL), so a long prompt does not
-        # hold up the event loop; token ids are checked inline.
-        parsed = await asyncio.to_thread(parse) if isinstance(body, dict) and "text" in body else parse()
+        # Tokenising (the tokenizer releases the GIL) and checking a large body's token ids run on a parser
+        # thread, so that neither holds up the event loop.
+        parsed = await self.parsers.maybe(request, parse, always="text" in body)
         if not e.has_room(parsed.count):  # before n fans out into one entry per sequence
             return _error(503, f"queue full: {parsed.count} sequences do not fit (limit {e.opts.max_queue})")
         prompts = parsed.expand()
@@ -193,10 +178,18 @@ class Api:
         failed = next((r for r in done if _error_status(r)), None)
         if failed is not None:  # the model failed on it: an error, not a partial answer
             return _error(_error_status(failed), failed.finish_reason["message"])
-        out = [response(r, return_logprob=parsed.return_logprob, weight_version=e.weight_version,
-                        tokenizer=self.tokenizer, routed_experts_start_len=parsed.routed_experts_start_len)
-               for r in done]
-        return web.json_response(out[0] if parsed.single else out)
+        version = e.weight_version
+
+        def reply() -> bytes:
+            out = [response(r, return_logprob=parsed.return_logprob, weight_version=version,
+                            tokenizer=self.tokenizer, routed_experts_start_len=parsed.routed_experts_start_len)
+                   for r in done]
+            return json.dumps(out[0] if parsed.single else out).encode()
+
+        # A long reply (up to ~10 MB) is encoded off the event loop too.
+        body = await self.parsers.maybe(request, reply,
+                                        always=sum(len(r.output_ids) for r in done) > REPLY_INLINE_TOKENS)
+        return web.Response(body=body, content_type="application/json")
 
     async def _wait_or_abort(self, request: web.Request, futures: list[asyncio.Future[Request]],
                              rids: list[str]) -> None:
@@ -212,7 +205,14 @@ class Api:
 
     async def health(self, request: web.Request) -> web.Response:
         """``/health``, ``/health_generate`` (wait while paused, as SGLang's one-token generation does) and
-        ``/ready`` (503 while paused); 503 also when the model cannot step."""
+        ``/ready`` (503 while paused); 503 also when the model cannot step.
+
+        A client without the key (these routes are open) gets, at once, only whether the engine can step:
+        the same answer paused or not, so it can neither hold a connection through a pause nor learn when
+        a weight push starts. The key holder (the trainer) gets SGLang's answer.
+        """
+        if not request[KEYED]:
+            return web.Response(status=200) if self.engine.health()[0] else web.Response(status=503)
         if request.path == "/ready" and self.engine.paused:
             return web.Response(status=503)
         if request.path != "/ready" and not await self._generation_resumes():
@@ -238,7 +238,7 @@ class Api:
         """``/pause_generation``: ``abort`` returns running requests with their tokens so far, ``retract``
         re-queues them, ``in_place`` keeps them in their slots."""
         body = await self._body(request, optional=True)
-        mode = _field(body, "mode", str, "abort")
+        mode = field(body, "mode", str, "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode: {mode!r} is not abort, retract or in_place")
         async with self._control:
@@ -257,8 +257,8 @@ class Api:
     async def abort(self, request: web.Request) -> web.Response:
         """``/abort_request``: one request by ``rid``, or all with ``abort_all``."""
         body = await self._body(request, optional=True)
-        abort_all = _field(body, "abort_all", bool, False)
-        rid = _field(body, "rid", str, "")
+        abort_all = field(body, "abort_all", bool, False)
+        rid = field(body, "rid", str, "", max_chars=MAX_RID_CHARS)
         if abort_all or rid:
             await asyncio.to_thread(self.engine.abort, None if abort_all else rid)
         return web.Response(status=200)
@@ -272,7 +272,7 @@ class Api:
     async def begin_update(self, request: web.Request) -> web.Response:
         """Open the session that distributed and tensor updates need (SGLang 0.5.23); one at a time."""
         body = await self._body(request, optional=True)
-        _field(body, "selector", str, "all")
+        field(body, "selector", str, "all")
         await self.weights.run(self.engine.begin_weight_update)
         return web.json_response({"success": True, "message": "Success"})
 
@@ -290,10 +290,10 @@ class Api:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version``: rename the held weights (aborting requests unless told not to)."""
         body = await self._body(request)
-        version = _field(body, "new_version", (str, int))
-        if _field(body, "abort_all_requests", bool, True):
+        version = version_field(body, "new_version")
+        if field(body, "abort_all_requests", bool, True):
             await asyncio.to_thread(self.engine.abort, None)
-        self.engine.weight_version = str(version)
+        self.engine.weight_version = version
         return web.json_response({"success": True, "message": f"weight version {version}"})
 
     async def run_identity(self, request: web.Request) -> web.Response:
@@ -339,48 +339,46 @@ class Api:
         """``/init_weights_update_group``: join the trainer's group (on the weight thread, in arrival order)."""
         b = await self._body(request)
         await self.weights.run(
-            self.engine.init_group, master_address=_field(b, "master_address", str),
-            master_port=_field(b, "master_port", int), rank_offset=_field(b, "rank_offset", int),
-            world_size=_field(b, "world_size", int),
-            group_name=_field(b, "group_name", str, "weight_update_group"),
-            backend=_field(b, "backend", str, "nccl" if self.engine.device.type == "cuda" else "gloo"),
+            self.engine.init_group, master_address=field(b, "master_address", str),
+            master_port=field(b, "master_port", int), rank_offset=field(b, "rank_offset", int),
+            world_size=field(b, "world_size", int),
+            group_name=field(b, "group_name", str, "weight_update_group", max_chars=MAX_NAME_CHARS),
+            backend=field(b, "backend", str, "nccl" if self.engine.device.type == "cuda" else "gloo"),
             timeout_s=self._join_timeout(b))
         return web.json_response({"success": True, "message": "joined the weight update group"})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         """``/destroy_weights_update_group``."""
         b = await self._body(request, optional=True)
-        await self.weights.run(self.engine.destroy_group, _field(b, "group_name", str, "weight_update_group"))
+        await self.weights.run(self.engine.destroy_group,
+                               field(b, "group_name", str, "weight_update_group", max_chars=MAX_NAME_CHARS))
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def update_distributed(self, request: web.Request) -> web.Response:
         """``/update_weights_from_distributed``: receive one bucket of tensors by broadcast from the
         trainer and install it."""
         b = await self._body(request)
-        names, dtypes, shapes = _field(b, "names", list), _field(b, "dtypes", list), _field(b, "shapes", list)
-        if not (len(names) == len(dtypes) == len(shapes)) or not all(isinstance(n, str) for n in names) \
-                or not all(isinstance(s, list) for s in shapes):
-            raise BadRequest("names, dtypes and shapes must be lists of equal length")
-        load_format = _field(b, "load_format", str, "")
+        names, dtypes, shapes = await self.parsers.maybe(request, lambda: _bucket_lists(b))
+        load_format = field(b, "load_format", str, "")
         if load_format not in ("", "flattened_bucket"):
             raise BadRequest(f"load_format {load_format!r} is not supported")
-        version = _field(b, "weight_version", (str, int), None)
-        if _field(b, "abort_all_requests", bool, False):
+        version = version_field(b, "weight_version", None)
+        group_name = field(b, "group_name", str, "weight_update_group", max_chars=MAX_NAME_CHARS)
+        if field(b, "abort_all_requests", bool, False):
             await asyncio.to_thread(self.engine.abort, None)
         await self.weights.run(
             self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
-            group_name=_field(b, "group_name", str, "weight_update_group"),
-            version=None if version is None else str(version), flattened=load_format == "flattened_bucket")
+            group_name=group_name, version=version, flattened=load_format == "flattened_bucket")
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
 
     async def update_disk(self, request: web.Request) -> web.Response:
         """``/update_weights_from_disk``: load the whole model from a folder."""
         b = await self._body(request)
-        path = _field(b, "model_path", str)
-        version = _field(b, "weight_version", (str, int), None)
-        if _field(b, "abort_all_requests", bool, False):
+        path = field(b, "model_path", str, max_chars=MAX_PATH_CHARS)
+        version = version_field(b, "weight_version", None)
+        if field(b, "abort_all_requests", bool, False):
             await asyncio.to_thread(self.engine.abort, None)
-        await self.weights.run(self.engine.update_from_disk, path, None if version is None else str(version))
+        await self.weights.run(self.engine.update_from_disk, path, version)
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
 
     async def update_tensor(self, request: web.Request) -> web.Response:
@@ -393,12 +391,23 @@ class Api:
     def _join_timeout(self, body: dict[str, Any]) -> float:
         """Seconds a join (and the group's collectives) may wait: the request's, at most the server's."""
         limit = self.engine.opts.weight_group_timeout_s
-        asked = _field(body, "timeout_s", (int, float), None)
+        asked = field(body, "timeout_s", (int, float), None)
         if asked is None:
             return limit
         if asked <= 0:
             raise BadRequest(f"timeout_s: {asked} must be > 0")
         return min(float(asked), limit)
+
+
+def _bucket_lists(b: dict[str, Any]) -> tuple[list[str], list[Any], list[list[Any]]]:
+    """The ``names``, ``dtypes`` and ``shapes`` of an update from the trainer, checked as lists of equal length."""
+    names, dtypes, shapes = field(b, "names", list), field(b, "dtypes", list), field(b, "shapes", list)
+    if not (len(names) == len(dtypes) == len(shapes)) or not all(isinstance(n, str) for n in names) \
+            or not all(isinstance(s, list) for s in shapes):
+        raise BadRequest("names, dtypes and shapes must be lists of equal length")
+    if any(len(n) > MAX_TENSOR_NAME_CHARS for n in names):
+        raise BadRequest(f"names: a tensor name has more than {MAX_TENSOR_NAME_CHARS} characters")
+    return names, dtypes, shapes
 
 
 def _error_status(req: Request) -> int:

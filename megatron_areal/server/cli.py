@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_areal.server.config import DEFAULT_CONTEXT_LENGTH, EngineOptions, ServerConfig
+from megatron_areal.server.config import DEFAULT_CONTEXT_LENGTH, MAX_VERSION_CHARS, EngineOptions, ServerConfig
 from megatron_areal.server.connections import ConnectionGuard, ConnectionLimits, raise_file_limit
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for flag in ("header_timeout", "idle_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0")
+    if args.weight_version is not None and len(args.weight_version) > MAX_VERSION_CHARS:
+        p.error(f"--weight-version: at most {MAX_VERSION_CHARS} characters (it is copied into every reply)")
     return args
 
 
@@ -185,6 +187,7 @@ async def serve(args: argparse.Namespace) -> None:
         await _in_own_thread(lambda: engine.stop(timeout_s=5.0))
         listener.close()
         guard.close()
+        api.parsers.close()
         await runner.cleanup()
 
 

@@ -15,6 +15,9 @@ from megatron_areal.configbase import require
 # max_running x context_length tokens from the start, and a model's whole window (8,192 tokens for
 # SmolLM2) would make it four times as large as most rollouts need.
 DEFAULT_CONTEXT_LENGTH = 2048
+# A weight version is copied into every sequence's reply (``meta_info.weight_version``): at most this
+# many characters, from the command line or a client.
+MAX_VERSION_CHARS = 256
 
 
 @dataclass(kw_only=True)

@@ -8,10 +8,15 @@ knows, from the API's middleware, whether a request is being handled on it:
 - a connection that has not completed a request's headers within ``header_timeout_s`` of opening,
   or that sits between requests for ``idle_timeout_s``, is closed (a sweep each second);
 - past ``max_connections`` (at most half the process's file limit, which ``raise_file_limit``
-  lifts to the hard limit at start, as SGLang does), a new connection evicts the connection that
-  has waited longest without a request in progress; when every connection is busy with a request,
-  the new one is closed instead. A client that sends its request at once is never the one
-  evicted, so a flood of half-sent headers cannot keep /health out.
+  lifts to the hard limit at start, as SGLang does), a new connection evicts another. A client
+  without the key must not be able to hold slots that the key holder (the trainer) needs, so the
+  one evicted is, in this order: the oldest connection handling a request without the key; the
+  connection that has waited longest without a request and never carried one with the key
+  (half-sent headers among them); the key holder's longest-idle keep-alive connection. Only when
+  every connection is handling a request with the key is the new one closed instead. A client
+  that sends its request at once is not the one evicted, so a flood of half-sent headers or of
+  keyless requests cannot keep /health or the trainer out. Without an API key every request
+  counts as carrying it.
 
 The body of a request is read under the API's own deadline (``body_timeout_s``).
 """
@@ -53,6 +58,8 @@ class _Connection:
     since: float  # when it connected, or when its last request finished
     served: int = 0  # requests finished on it
     busy: int = 0  # requests being handled on it now
+    busy_keyless: int = 0  # ... of which without the key
+    keyed: bool = False  # it has carried a request with the key (the trainer's keep-alive connection)
 
 
 class ConnectionGuard:
@@ -88,31 +95,49 @@ class ConnectionGuard:
     # ---- called by the protocol and by the API's middleware --------------------------------
     def opened(self, transport: asyncio.Transport) -> None:
         if len(self._open) >= self.limit():
-            idle = [c for c in self._open.values() if not c.busy]
-            if not idle:
-                log.warning("connection limit %d reached with every connection busy: refusing one", self.limit())
+            victim = self._victim()
+            if victim is None:
+                log.warning("connection limit %d reached with every connection busy with a keyed request: "
+                            "refusing one", self.limit())
                 transport.abort()
                 return
-            oldest = min(idle, key=lambda c: c.since)
             self.evicted += 1
-            oldest.transport.abort()
-            self._open.pop(oldest.transport, None)
+            victim.transport.abort()
+            self._open.pop(victim.transport, None)
         self._open[transport] = _Connection(transport=transport, since=self._clock())
+
+    def _victim(self) -> _Connection | None:
+        """The connection a new one replaces (see the module's docstring), or None when all serve the key."""
+        conns = list(self._open.values())
+        for candidates in ([c for c in conns if c.busy_keyless],
+                           [c for c in conns if not c.busy and not c.keyed],
+                           [c for c in conns if not c.busy]):
+            if candidates:
+                return min(candidates, key=lambda c: c.since)
+        return None
 
     def lost(self, transport: asyncio.BaseTransport) -> None:
         self._open.pop(transport, None)
 
-    def started(self, transport: Any) -> None:
-        """A request's headers arrived on ``transport``: it is no longer waiting for them."""
+    def started(self, transport: Any, *, keyed: bool = True) -> None:
+        """A request's headers arrived on ``transport``: it is no longer waiting for them. ``keyed``: the
+        request carries the API key (or the server has none)."""
         conn = self._open.get(transport)
         if conn is not None:
             conn.busy += 1
+            if keyed:
+                conn.keyed = True
+            else:
+                conn.busy_keyless += 1
+                conn.since = self._clock()  # the oldest keyless request goes first
 
-    def finished(self, transport: Any) -> None:
+    def finished(self, transport: Any, *, keyed: bool = True) -> None:
         """The request's handler returned: the idle clock starts again."""
         conn = self._open.get(transport)
         if conn is not None:
             conn.busy = max(0, conn.busy - 1)
+            if not keyed:
+                conn.busy_keyless = max(0, conn.busy_keyless - 1)
             conn.served += 1
             conn.since = self._clock()
 

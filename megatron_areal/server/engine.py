@@ -29,6 +29,7 @@ from megatron_areal.server.weights import (
     WeightError,
     check_bucket_offsets,
     checksums,
+    disk_bytes_bound,
     load_weights,
     parse_dtype,
     read_safetensors,
@@ -407,7 +408,8 @@ class Engine:
     def update_from_disk(self, model_path: str, version: str | None) -> None:
         """Install the whole model from a safetensors folder as ``version``."""
         with one_thread():
-            tensors = read_safetensors(model_path, timeout_s=self.opts.weight_load_timeout_s)
+            tensors = read_safetensors(model_path, timeout_s=self.opts.weight_load_timeout_s,
+                                       max_bytes=disk_bytes_bound(self.model))
         self._install(tensors, version, complete=True)
         self.model_path = str(model_path)
 

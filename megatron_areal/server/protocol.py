@@ -178,6 +178,8 @@ def _prompts(body: dict[str, Any], tokenizer: Any, vocab: int, limits: Limits) -
         raise BadRequest("input_ids: expected a non-empty list of token ids or a list of such lists")
     _check_batch_size(len(batch), "input_ids", max_requests)
     for i, row in enumerate(batch):
+        if isinstance(row, list) and len(row) > limits.max_len:  # refused before its ids are scanned
+            raise BadRequest(f"input_ids[{i}]: {len(row)} tokens cannot fit the context length {limits.max_len}")
         if not isinstance(row, list) or not row or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row):
             raise BadRequest(f"input_ids[{i}]: expected a non-empty list of token ids in [0, {vocab})")

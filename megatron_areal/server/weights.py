@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,25 +20,45 @@ from torch import nn
 MAX_BLOCKED_READS = 4
 _blocked_reads: set[str] = set()
 _blocked_lock = threading.Lock()
+# Reads go in chunks of this size, so that a reader told to stop (at the load's timeout) stops
+# after at most one more chunk.
+READ_CHUNK_BYTES = 16 * 2**20
+# Safetensors headers (JSON, a few hundred bytes per tensor) and an index file, on top of the
+# tensors' own bytes.
+HEADER_ALLOWANCE_BYTES = 64 * 2**20
+# How long a reader told to stop may take to finish its chunk before the load answers anyway.
+STOP_GRACE_S = 1.0
 
 
 class WeightError(ValueError):
     """Weights that do not fit the model; the served weights are left unchanged."""
 
 
-def read_safetensors(hf_dir: str | Path, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+def disk_bytes_bound(model: nn.Module) -> int:
+    """The most bytes a weights folder for ``model`` may hold: every tensor (plus a tied head) at
+    8 bytes per element, the widest floating-point type, and the safetensors headers."""
+    sizes = [t.numel() for t in model.state_dict().values()]
+    return 8 * (sum(sizes) + max(sizes, default=0)) + HEADER_ALLOWANCE_BYTES
+
+
+def read_safetensors(hf_dir: str | Path, timeout_s: float | None = None,
+                     max_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """All tensors of an HF folder (single file or sharded with an index).
 
     A broken index or shard is the caller's input, not a server fault: it raises WeightError
     naming the file, so a weight update answers 400 and keeps the served weights.
 
-    With ``timeout_s`` every file is read on a thread of its own in plain reads (which release the
-    GIL) and parsed from memory, and a folder not read within ``timeout_s`` raises WeightError: a
-    FIFO or a hung network filesystem then costs one blocked thread, not the server. Without it the
-    files are memory-mapped (the server's start, from its own model folder).
+    With ``timeout_s`` every file is opened and read on a thread of its own, in chunks (plain reads,
+    which release the GIL), and parsed from memory. A file that is not a regular file (a device such
+    as /dev/zero, a FIFO, a socket) is refused before anything is read, and so is a folder whose files
+    add up to more than ``max_bytes`` by their size on record (a sparse file counts in full). A
+    folder not read within ``timeout_s`` raises WeightError and its reader stops after its current
+    chunk: a hung network filesystem then costs one blocked thread, not the server. Without
+    ``timeout_s`` the files are memory-mapped (the server's start, from its own model folder).
     """
     folder = Path(hf_dir)
-    deadline = None if timeout_s is None else _Deadline(time.monotonic() + timeout_s, timeout_s)
+    deadline = None if timeout_s is None else _Deadline(time.monotonic() + timeout_s, timeout_s,
+                                                        _Budget(max_bytes))
     index = folder / "model.safetensors.index.json"
     files = _indexed_files(index, deadline) if index.is_file() else sorted(
         p.name for p in folder.glob("*.safetensors"))
@@ -47,42 +70,117 @@ def read_safetensors(hf_dir: str | Path, timeout_s: float | None = None) -> dict
     return tensors
 
 
+@dataclass
+class _Budget:
+    """Bytes the files of one load may still take (None: no bound)."""
+
+    left: int | None
+    total: int | None = None
+
+    def __post_init__(self) -> None:
+        self.total = self.left
+
+    def take(self, path: Path, size: int) -> None:
+        if self.left is None:
+            return
+        if size > self.left:
+            raise WeightError(f"{path}: {size} bytes would make the folder larger than the {self.total} bytes "
+                              "a checkpoint of this model can take (8 bytes per parameter and the headers); "
+                              "the served weights are kept")
+        self.left -= size
+
+
 @dataclass(frozen=True)
 class _Deadline:
     at: float  # time.monotonic()
     seconds: float  # the whole load's budget, for messages
+    budget: _Budget
+
+
+class _Stopped(Exception):
+    """The reader was told to stop (the load's timeout passed)."""
+
+
+def _read_chunks(fd: int, name: str, limit: int, stop: threading.Event) -> bytes:
+    """``fd`` to its end in chunks; WeightError past ``limit`` bytes, ``_Stopped`` once ``stop`` is set."""
+    chunks, total = [], 0
+    while True:
+        if stop.is_set():
+            raise _Stopped
+        chunk = os.read(fd, min(READ_CHUNK_BYTES, limit + 1 - total))
+        if not chunk:
+            return b"".join(chunks)
+        total += len(chunk)
+        if total > limit:
+            raise WeightError(f"{name}: more than the {limit} bytes expected (it grew while read?); "
+                              "the served weights are kept")
+        chunks.append(chunk)
+
+
+def _read_regular_file(path: Path, budget: _Budget, stop: threading.Event) -> bytes:
+    """Open ``path`` without blocking (a FIFO would wait for a writer), refuse what is not a regular file or
+    does not fit ``budget``, then read exactly its recorded size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise WeightError(f"{path}: not a regular file (a device, FIFO or socket); the served weights are kept")
+        budget.take(path, info.st_size)
+        os.set_blocking(fd, True)
+        return _read_chunks(fd, str(path), info.st_size, stop)
+    finally:
+        os.close(fd)
+
+
+def read_fd_bounded(fd: int, name: str, *, max_bytes: int, timeout_s: float) -> bytes:
+    """The bytes of the open file ``fd`` up to its end, at most ``max_bytes``, read on a thread of its own
+    that stops at ``timeout_s`` (WeightError naming ``name``)."""
+    deadline = _Deadline(time.monotonic() + timeout_s, timeout_s, _Budget(max_bytes))
+    return _on_reader_thread(lambda stop: _read_chunks(fd, name, max_bytes, stop), name, deadline)
 
 
 def _read_by(path: Path, deadline: _Deadline) -> bytes:
-    """The bytes of ``path``, read on a daemon thread; WeightError when they are not all there by ``deadline``."""
+    """The bytes of the regular file ``path``; WeightError when they are not all there by ``deadline``."""
+    return _on_reader_thread(lambda stop: _read_regular_file(path, deadline.budget, stop), str(path), deadline)
+
+
+def _on_reader_thread(read: Callable[[threading.Event], bytes], name: str, deadline: _Deadline) -> bytes:
+    """``read(stop)`` on a daemon thread; at the deadline ``stop`` is set and WeightError raised."""
     with _blocked_lock:
         if len(_blocked_reads) >= MAX_BLOCKED_READS:
-            raise WeightError(f"{path}: refused: {len(_blocked_reads)} earlier weight reads are still blocked "
+            raise WeightError(f"{name}: refused: {len(_blocked_reads)} earlier weight reads are still blocked "
                               f"({', '.join(sorted(_blocked_reads))})")
-    outcome: list[bytes | OSError] = []
+        _blocked_reads.add(name)
+    outcome: list[bytes | Exception] = []
+    stop = threading.Event()
 
-    def read() -> None:
+    def run() -> None:
         try:
-            outcome.append(path.read_bytes())
-        except OSError as e:
+            outcome.append(read(stop))
+        except _Stopped:
+            pass
+        except (OSError, MemoryError, WeightError) as e:
             outcome.append(e)
         finally:
             with _blocked_lock:
-                _blocked_reads.discard(str(path))
+                _blocked_reads.discard(name)
 
-    with _blocked_lock:
-        _blocked_reads.add(str(path))
-    reader = threading.Thread(target=read, name=f"read {path.name}", daemon=True)
+    reader = threading.Thread(target=run, name=f"read {Path(name).name}", daemon=True)
     reader.start()
     reader.join(max(0.0, deadline.at - time.monotonic()))
     if not outcome:
-        raise WeightError(f"{path}: not read within the weight-load timeout of {deadline.seconds:g}s (a FIFO, or a "
-                          "filesystem that does not answer?); the served weights are kept")
-    with _blocked_lock:
-        _blocked_reads.discard(str(path))
-    if isinstance(outcome[0], OSError):
-        raise WeightError(f"{path}: cannot read: {outcome[0]}")
-    return outcome[0]
+        stop.set()
+        reader.join(STOP_GRACE_S)  # a reader between chunks is gone before the reply
+        raise WeightError(f"{name}: not read within the weight-load timeout of {deadline.seconds:g}s (a filesystem "
+                          "that does not answer?); the served weights are kept")
+    result = outcome[0]
+    if isinstance(result, WeightError):
+        raise result
+    if isinstance(result, MemoryError):
+        raise WeightError(f"{name}: cannot read: out of memory") from None
+    if isinstance(result, OSError):
+        raise WeightError(f"{name}: cannot read: {result}")
+    return result
 
 
 def _indexed_files(index: Path, deadline: _Deadline | None = None) -> list[str]:
@@ -106,7 +204,7 @@ def _load_shard(path: Path, deadline: _Deadline | None = None) -> dict[str, torc
 
 
 def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complete: bool) -> None:
-    """Raise WeightError unless every name is a model tensor of the same shape.
+    """Raise WeightError unless every name is a model tensor of the same shape and a floating-point dtype.
 
     ``complete`` also requires every model tensor to be present (a load from disk); distributed
     updates may come bucket by bucket, each naming a subset.
@@ -121,6 +219,11 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complet
         if name in params and tuple(t.shape) != tuple(params[name].shape):
             raise WeightError(f"{name}: shape {list(t.shape)} does not match the model's "
                               f"{list(params[name].shape)}")
+        # Copying integers or booleans into a float parameter would succeed and truncate the weights.
+        target = params.get(name)  # None: a tied lm_head.weight, which is the (float) embedding
+        if (target is None or target.is_floating_point()) and not t.is_floating_point():
+            raise WeightError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} is not a floating-point "
+                              "type; weights must be floating point (the served weights are kept)")
     if complete:
         missing = [n for n in params if n not in tensors]
         if missing:

@@ -63,6 +63,9 @@ class GroupUpdateInfo(WeightTransferUpdateInfo):
         for name, dtype in zip(self.names, self.dtypes):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"update_info: dtype {dtype!r} of {name!r} is not a torch dtype name")
+            if not getattr(torch, dtype).is_floating_point:  # copied into a float weight, it would truncate it
+                raise ValueError(f"update_info: dtype {dtype!r} of {name!r} is not a floating-point type; "
+                                 "weights must be floating point")
 
 
 class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
