@@ -297,7 +297,7 @@ class Api:
         return web.json_response({"success": True, "message": f"weight version {version}"})
 
     async def run_identity(self, request: web.Request) -> web.Response:
-        """Proof that this server holds the nonce of the run that started it (``megatron_areal/run_identity.py``)."""
+        """Proof that this server holds the nonce of the run that started it (``megatron_areal/util/run_identity.py``)."""
         status, body = run_identity.answer(request.query.get("challenge", ""))
         return web.json_response(body, status=status)
 
