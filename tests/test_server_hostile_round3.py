@@ -21,14 +21,14 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from megatron_areal.assets import make_tiny_model
-from megatron_areal.netutil import free_port
 from netutil import http_call
 from safetensors.torch import save_file
 
 from megatron_areal.launch.embedded import start_embedded
+from megatron_areal.model.assets import make_tiny_model
 from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.weights import read_safetensors
+from megatron_areal.util.netutil import free_port
 
 KEY = "round3-key"
 MAX_CONNECTIONS = 16
