@@ -40,12 +40,12 @@ import torch
 from megatron_areal.assets import smollm2_path
 from megatron_areal.data.arithmetic import arithmetic_train
 from megatron_areal.data.template import encode_prompt
+from megatron_areal.fleet.client import RolloutClient
+from megatron_areal.fleet.vllm_client import VLLMClient
 from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.launch.server_process import start_server, stop_server
 from megatron_areal.launch.vllm import VLLMLaunch, launcher_command
 from megatron_areal.netutil import free_port
-from megatron_areal.rollout.client import RolloutClient
-from megatron_areal.rollout.vllm_client import VLLMClient
 
 BATCH = 32
 DEFAULT_VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"

@@ -14,7 +14,7 @@ from typing import Any
 from megatron_areal import timeline
 from megatron_areal.data.prompt import Prompt
 from megatron_areal.data.template import encode_prompt
-from megatron_areal.rollout.fleet import Fleet
+from megatron_areal.fleet.fleet import Fleet
 
 logger = logging.getLogger(__name__)
 

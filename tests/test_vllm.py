@@ -78,7 +78,7 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def fleet(server):
-    from megatron_areal.rollout.fleet import Fleet
+    from megatron_areal.fleet.fleet import Fleet
 
     f = Fleet([server["url"]], engine="vllm", request_timeout_s=600, api_key=API_KEY)
     yield f
@@ -107,8 +107,8 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.realloc.config import ReallocConfig
-    from megatron_areal.realloc.sync import WeightSync
+    from megatron_areal.weights.config import WeightsConfig
+    from megatron_areal.weights.push import WeightSync
 
     groups = init_parallel(tp=1, pp=1, backend="gloo")
     arch = load_arch(model_dir)
@@ -119,7 +119,7 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
     sync = WeightSync(chunks, arch, groups, urls, engine="vllm", api_key=API_KEY,
                       on_drop=lambda url, why: events.append(("drop", url)),
                       on_join=lambda url: events.append(("join", url)),
-                      config=ReallocConfig(timeout_s=120.0, master_address="127.0.0.1", pause_mode="retract"))
+                      config=WeightsConfig(timeout_s=120.0, master_address="127.0.0.1", pause_mode="retract"))
     _STATE.update(sync=sync, chunks=chunks, arch=arch, events=events)
 
 
@@ -150,7 +150,7 @@ def _w_close() -> None:
 # ---- helpers -------------------------------------------------------------------------------------
 
 def generate(fleet, url: str, prompt: list[int], params: dict):
-    from megatron_areal.rollout.client import ServerError
+    from megatron_areal.fleet.client import ServerError
 
     try:
         return fleet.run(fleet.client(url).generate(prompt, dict(params)), timeout=600)

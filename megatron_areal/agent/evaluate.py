@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner, agent_task
 from megatron_areal.agent.workflow import AgentFn
-from megatron_areal.rollout.client import ServerError
+from megatron_areal.fleet.client import ServerError
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser
 
 

@@ -7,8 +7,8 @@ from megatron_areal.agent.evaluate import AgentEvalResult, evaluate_agent
 from megatron_areal.agent.render import ChatRenderer
 from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner
 from megatron_areal.agent.workflow import load_workflow
+from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.rollout.config import RolloutConfig
-from megatron_areal.rollout.fleet import Fleet
 
 
 def episode_limits(rollout: RolloutConfig, max_seq_len: int) -> EpisodeLimits:

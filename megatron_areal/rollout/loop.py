@@ -21,17 +21,17 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_areal import timeline
+from megatron_areal.fleet.client import ServerError
+from megatron_areal.fleet.routing import ServerPool, ServerSlot
+from megatron_areal.fleet.wakeup import Signal
 from megatron_areal.rollout.buffer import Group, PutResult, ReplayBuffer
-from megatron_areal.rollout.client import ServerError
 from megatron_areal.rollout.config import RolloutConfig
 from megatron_areal.rollout.metrics import ThroughputWindow, batch_stats
 from megatron_areal.rollout.refusals import RefusalWatch
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser, generate_sample
-from megatron_areal.rollout.routing import ServerPool, ServerSlot
 from megatron_areal.rollout.sources import EpisodesLike, PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate
 from megatron_areal.rollout.trajectory import Trajectory
-from megatron_areal.rollout.wakeup import Signal
 
 log = logging.getLogger(__name__)
 

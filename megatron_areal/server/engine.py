@@ -16,7 +16,6 @@ import torch
 
 from megatron_areal.compute_dtype import runnable_dtype
 from megatron_areal.model.arch import ModelArch, load_arch
-from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.attention import ForwardBatch
 from megatron_areal.server.config import EngineOptions
 from megatron_areal.server.kv_cache import KVCache
@@ -34,6 +33,7 @@ from megatron_areal.server.weights import (
     parse_dtype,
     read_safetensors,
 )
+from megatron_areal.weights.wire import WeightUpdateGroup
 
 log = logging.getLogger(__name__)
 # While the model cannot step, an idle runner probes it this often, so /health recovers (after a

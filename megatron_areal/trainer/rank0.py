@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_areal.data.prompt import Prompt
+    from megatron_areal.fleet.fleet import Fleet
     from megatron_areal.metrics import MetricsWriter
-    from megatron_areal.realloc.sync import SyncResult, WeightSync
     from megatron_areal.reward import RewardService
     from megatron_areal.rollout.controller import RolloutController
-    from megatron_areal.rollout.fleet import Fleet
+    from megatron_areal.weights.push import SyncResult, WeightSync
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from megatron_areal.configbase import require
 
 
 @dataclass(kw_only=True)
-class ReallocConfig:
+class WeightsConfig:
     """The weight push from the trainer to the servers: over a weight-update group or through a shared disk,
     bucket size, timeouts and retries."""
 

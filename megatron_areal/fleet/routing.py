@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_areal import timeline
-from megatron_areal.rollout.client import RolloutClient
-from megatron_areal.rollout.wakeup import Signal
+from megatron_areal.fleet.client import RolloutClient
+from megatron_areal.fleet.wakeup import Signal
 
 log = logging.getLogger(__name__)
 
