@@ -24,6 +24,7 @@ from torch.distributed import distributed_c10d as c10d
 
 log = logging.getLogger(__name__)
 _create_lock = threading.Lock()  # torch's group registry (_world) is a process-wide dict
+_joining: set[str] = set()  # group names being joined now (under _create_lock)
 
 
 class WeightUpdateGroup:
@@ -99,11 +100,20 @@ def join_group(master_address: str, master_port: int, *, rank: int, world_size: 
     store = dist.PrefixStore(group_name, rendezvous_store(master_address, master_port, rank=rank,
                                                           world_size=world_size, timeout=timeout))
     with _create_lock:
-        if group_name in c10d._world.pg_names.values():  # torch would say the same, less clearly
+        if group_name in c10d._world.pg_names.values() or group_name in _joining:
             raise ValueError(f"weight update group {group_name!r} already exists in this process")
+        _joining.add(group_name)
+    # Not under the lock: the backend connects to every member here, and a member may be joining
+    # another group first (two stages' groups at once); holding a process-wide lock through the
+    # connect would make this process wait for it while it waits for us.
+    try:
         pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
                                                group_name=group_name, backend_options=None, timeout=timeout)
-        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        with _create_lock:
+            c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    finally:
+        with _create_lock:
+            _joining.discard(group_name)
     return pg
 
 
