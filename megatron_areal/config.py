@@ -80,6 +80,10 @@ class Config:
                 "false (synchronous mode) requires staleness.eta = 0")
         require(not self.ppo.routing_replay or self.rollout.return_routed_experts, "ppo.routing_replay",
                 "true requires rollout.return_routed_experts: true (the rollout's routes are what the trainer replays)")
+        require(not self.weights.verify or self.server.engine != "sglang", "weights.verify",
+                "true is not offered for server.engine=sglang: SGLang's /weights_checker hashes its own fused, "
+                "tensor-parallel parameters (with a GPU kernel), which the trainer cannot recompute from the HF "
+                "tensors it pushes; set weights.verify: false")
         longest = min(self.server.context_length or self.model.max_seq_len, self.model.max_seq_len)
         require(self.rollout.max_new_tokens < longest, "rollout.max_new_tokens",
                 f"({self.rollout.max_new_tokens}) leaves no room for a prompt in sequences of {longest} tokens "

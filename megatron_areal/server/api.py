@@ -18,6 +18,7 @@ from megatron_areal.server.protocol import BadRequest, Limits, parse_generate, r
 from megatron_areal.server.scheduler import Request
 from megatron_areal.server.weight_queue import WeightQueue
 from megatron_areal.server.weights import WeightError, parse_dtype
+from megatron_areal.weights.wire import SLICE_SUM
 
 log = logging.getLogger(__name__)
 
@@ -318,13 +319,16 @@ class Api:
             "max_model_len": self.engine.max_len}]})
 
     async def weights_checksum(self, request: web.Request) -> web.Response:
-        """Per-tensor sha256 (optionally after ``?dtype=bfloat16``), to compare weights bitwise."""
-        name = request.query.get("dtype")
+        """Per-tensor sha256 (optionally after ``?dtype=bfloat16``), to compare weights bitwise; with
+        ``?kind=slice_sum`` the weight push's checksum instead (``weights/wire.py``)."""
+        name, kind = request.query.get("dtype"), request.query.get("kind", "sha256")
+        if kind not in ("sha256", SLICE_SUM):
+            raise BadRequest(f"kind: {kind!r} is not 'sha256' or {SLICE_SUM!r}")
         try:
             dtype = parse_dtype(name) if name else None
         except WeightError as err:
             raise BadRequest(str(err)) from None
-        sums = await asyncio.to_thread(self.engine.checksums, dtype)
+        sums = await asyncio.to_thread(self.engine.checksums, dtype, kind)
         return web.json_response({"weight_version": self.engine.weight_version, "checksums": sums})
 
     # ---- weights -------------------------------------------------------------------------

@@ -411,10 +411,10 @@ class Engine:
         self._install(tensors, version, complete=True)
         self.model_path = str(model_path)
 
-    def checksums(self, dtype: torch.dtype | None) -> dict[str, dict[str, object]]:
-        """Per-tensor checksums of the weights (in ``dtype`` if given), to compare with the trainer's."""
+    def checksums(self, dtype: torch.dtype | None, kind: str = "sha256") -> dict[str, dict[str, object]]:
+        """Per-tensor checksums of the weights (in ``dtype`` if given, of ``kind``), to compare with the trainer's."""
         with self._lock, one_thread():
-            return checksums(self.model, dtype)
+            return checksums(self.model, dtype, kind)
 
     # Weight-group methods run on the API's one weight thread, in arrival order (as SGLang's
     # scheduler runs them), so the session flag and ``groups`` need no lock of their own.

@@ -262,4 +262,6 @@ def step_metrics(stats: dict[str, float], rollout: dict[str, float], times: Step
         "perf/batch_wait_s": wait_s,
         "perf/trainer_idle_fraction": wait_s / max(step_s, 1e-9),
     })
+    if sync.verified_tensors is not None:  # weights.verify: the (server, tensor) checksums that agreed
+        out["weights/verified_tensors"] = float(sync.verified_tensors)
     return out

@@ -60,6 +60,7 @@ class SyncResult:
     gather_seconds: float = 0.0
     broadcast_seconds: float = 0.0
     reply_seconds: float = 0.0
+    verified_tensors: int | None = None  # (server, tensor) checksums that agreed; None: weights.verify is off
 
 
 @dataclass
@@ -145,18 +146,26 @@ class WeightSync:
         dropped = self._drop_restarted()
         dropped.update(self._pause(list(self.servers)))
         outcome = self._push_until_done(version, dropped)
+        verified = self._verify(version) if self.config.verify and self.config.method == "distributed" else None
         self._resume(list(self.servers))
         self.version = version
         self.readmit()
         result = SyncResult(version=version, seconds=time.monotonic() - start, bytes_sent=outcome.bytes_sent,
                             buckets=outcome.buckets, max_bucket_bytes=outcome.max_bucket_bytes,
                             servers=list(self.servers), dropped=dropped, gather_seconds=outcome.gather_seconds,
-                            broadcast_seconds=outcome.broadcast_seconds, reply_seconds=outcome.reply_seconds)
+                            broadcast_seconds=outcome.broadcast_seconds, reply_seconds=outcome.reply_seconds,
+                            verified_tensors=verified)
         if self.rank0:
             log.info("weights v%s on %d servers in %.2fs (%.1f MB, %d buckets)%s", version, len(self.servers),
                      result.seconds, result.bytes_sent / 1e6, result.buckets,
                      f"; dropped {', '.join(dropped)}" if dropped else "")
         return result
+
+    def _verify(self, version: str) -> int:
+        """Collective: the servers' checksums against the trainer's (``verify.verify_push``); a mismatch raises."""
+        from megatron_areal.weights.verify import verify_push
+
+        return verify_push(self, version)
 
     def add_server(self, url: str, tp: int | None = None) -> None:
         """Collective: give a server that joined late the current weights, then make it a member.
