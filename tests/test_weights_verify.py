@@ -11,6 +11,7 @@ whole; a flipped lane changes it) is checked against a hand-made split of a tens
 """
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -50,33 +51,18 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
 
 def _w_sync(version: str, corrupt_bucket: int | None = None) -> dict[str, Any]:
     """One sync; with ``corrupt_bucket``, stage 1's head flips a bit of that bucket's last tensor on the wire."""
-    from megatron_areal.weights import link
     from megatron_areal.weights.push import WeightSyncError
+    from tests.wire_corruption import corrupt_on_the_wire
 
-    sync, corrupted = _STATE["sync"], {}
-    original = link.StageLink.post
-    if corrupt_bucket is not None and sync.is_head and sync.groups.pp_rank == 1:
-        seen = [0]
-
-        def post(self, bucket, version):
-            if seen[0] == corrupt_bucket and bucket.flat:
-                payload = bucket.payload[0].clone()  # the wire's copy; the trainer's tensors stay as they are
-                itemsize = torch.empty((), dtype=getattr(torch, bucket.dtypes[-1])).element_size()
-                last = torch.Size(bucket.shapes[-1]).numel() * itemsize
-                offset = bucket.nbytes - last + (last // 2 // itemsize) * itemsize  # an element mid-tensor
-                payload[offset] ^= 1  # its lowest mantissa bit (little-endian): still finite
-                bucket.payload = [payload]
-                corrupted["name"] = bucket.names[-1]
-            seen[0] += 1
-            return original(self, bucket, version)
-        link.StageLink.post = post
-    try:
-        r = sync.sync(version)
-        return {"verified": r.verified_tensors, "servers": r.servers, **corrupted}
-    except WeightSyncError as e:
-        return {"error": str(e), "type": type(e).__name__, **corrupted}
-    finally:
-        link.StageLink.post = original
+    sync = _STATE["sync"]
+    corrupting = corrupt_bucket is not None and sync.is_head and sync.groups.pp_rank == 1
+    hook = corrupt_on_the_wire(bucket_index=corrupt_bucket or 0) if corrupting else contextlib.nullcontext({})
+    with hook as corrupted:
+        try:
+            r = sync.sync(version)
+            return {"verified": r.verified_tensors, "servers": r.servers, **corrupted}
+        except WeightSyncError as e:
+            return {"error": str(e), "type": type(e).__name__, **corrupted}
 
 
 def _w_close() -> None:

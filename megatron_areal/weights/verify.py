@@ -127,26 +127,38 @@ def slice_sums_of(reply: dict) -> tuple[dict[str, str], dict[str, str]]:
 # ---- vLLM ----------------------------------------------------------------------------------------------
 VLLM_PREFIX = "dp0:pp0:pcp0:tp0:"  # the first worker's keys in /weight_checker's reply
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # a parameter vLLM's CPU build emptied (packed for oneDNN)
+VLLM_VOCAB_PADDING = 64  # vLLM's embedding and output layer rows, zero-filled past the vocabulary
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def vllm_comparable(reply: dict[str, str]) -> dict[str, str]:
-    """HF name -> sha256 of the tensors a vLLM server (one worker) reports with their bytes: the names vLLM
-    shares with HF; fused (qkv, gate/up) and emptied parameters are left out."""
+    """HF name -> sha256 of the tensors a vLLM server's first worker reports with their bytes, by vLLM's
+    parameter names (those it shares with HF; fused ones such as ``qkv_proj`` never match an HF name)."""
     return {k.removeprefix(VLLM_PREFIX): v for k, v in reply.items()
             if k.startswith(VLLM_PREFIX) and v != EMPTY_SHA256}
 
 
+def vllm_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An HF tensor as a vLLM worker at TP 1 holds it: the vocabulary ones padded with zero rows."""
+    if name in _VOCAB_TENSORS and tensor.shape[0] % VLLM_VOCAB_PADDING:
+        pad = VLLM_VOCAB_PADDING - tensor.shape[0] % VLLM_VOCAB_PADDING
+        tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
+    return tensor
+
+
 @torch.no_grad()
 def vllm_expected(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups,
-                  names: set[str], dtype: torch.dtype, control_group: dist.ProcessGroup | None = None
-                  ) -> dict[str, str] | None:
-    """Collective: sha256 of each HF tensor in ``names`` (cast to ``dtype``) from a rank that holds it whole
-    (a replicated parameter, or any at TP 1), on rank 0; the others are not verified on vLLM."""
+                  names: set[str], dtype: torch.dtype, server_tp: int,
+                  control_group: dist.ProcessGroup | None = None) -> dict[str, str] | None:
+    """Collective: sha256 of each HF tensor in ``names`` (cast to ``dtype``, in vLLM's layout) from a rank that
+    holds it whole (a replicated parameter, or any at TP 1), on rank 0. With servers at TP > 1 only the tensors
+    vLLM does not split (the norms) compare; the others are not verified on vLLM."""
     plan = verification_plan(arch, groups)
-    whole = {hf.name: tensor for hf, tensor in _local_slices(chunks, arch, plan, dist.get_rank())
-             if hf.whole and hf.name in names}
-    mine = {n: hashlib.sha256(t.to(dtype).contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
-            for n, t in whole.items()}
+    mine = {}
+    for hf, tensor in _local_slices(chunks, arch, plan, dist.get_rank()):
+        if hf.whole and hf.name in names and (server_tp == 1 or plan.split_dims.get(hf.name) is None):
+            data = vllm_layout(hf.name, tensor.to(dtype)).contiguous().cpu().reshape(-1).view(torch.uint8)
+            mine[hf.name] = hashlib.sha256(data.numpy()).hexdigest()
     first = dist.get_rank(control_group) == 0
     gathered: list[dict[str, str] | None] | None = [None] * dist.get_world_size(control_group) if first else None
     dist.gather_object(mine, gathered, group=control_group, group_dst=0)
@@ -197,13 +209,15 @@ def verify_push(sync: WeightSync, version: str) -> int:
     expected = trainer_sums(sync.chunks, sync.arch, sync.groups, held, dtype, sync.control_group) if embedded else None
     names = set().union(*vllm.values()) if vllm else set()
     wire = dtype or next(p for c in sync.chunks for p in c.parameters()).dtype
-    digests = vllm_expected(sync.chunks, sync.arch, sync.groups, names, wire, sync.control_group) if vllm else None
+    vllm_tp = max((sync.servers.get(u, 1) for u in vllm), default=1)
+    digests = vllm_expected(sync.chunks, sync.arch, sync.groups, names, wire, vllm_tp, sync.control_group) \
+        if vllm else None
     if sync.rank0:
         try:
             if expected is not None:
                 count += compare(expected, {u: sums for u, (sums, _) in embedded.items()}, version)
             if digests is not None:
-                count += compare(digests, vllm, version)
+                count += compare(digests, {u: {n: sums.get(n) for n in digests} for u, sums in vllm.items()}, version)
                 log.info("weights v%s on vLLM: %d tensors comparable by /weight_checker (its CPU build reports "
                          "linear layers emptied)", version, len(digests))
         except WeightMismatch as e:
