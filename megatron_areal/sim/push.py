@@ -22,7 +22,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_areal.weights.plan import TransferPlan, stage_of
+from megatron_areal.sim.costs import CostModel
+from megatron_areal.sim.scenario import CPU_PROCESS, Scenario
+from megatron_areal.weights.plan import ServerLayout, TrainerLayout, TransferPlan, make_plan, stage_of
 
 Receiver = tuple[int, int]  # (server, rank within it)
 
@@ -118,12 +120,32 @@ def push_estimate(plan: TransferPlan, links: Links, *, bucket_bytes: int, stage_
     return price(sent, received, convert=links.convert, bucket_bytes=bucket_bytes, bandwidth_of=lambda r: slowest[r])
 
 
-def scenario_estimates(sc) -> dict[str, PushEstimate]:
+_ESTIMATES: dict[tuple, dict[str, PushEstimate]] = {}  # a sweep prices the same layouts again and again
+
+
+def scenario_estimates(sc: Scenario) -> dict[str, PushEstimate]:
     """A scenario's push priced both ways: ``{"shard_to_shard": ..., "stage_heads": ...}`` (``sim.Scenario``;
     a CPU run's processes talk over gloo)."""
-    from megatron_areal.sim.scenario import CPU_PROCESS
-    from megatron_areal.weights.plan import ServerLayout, TrainerLayout, make_plan
+    sim = sc.sim
+    key = (repr(sc.model), sc.gpu.name, sc.train_gpus, sc.train_tp, sc.train_pp, sc.train_ep, sc.train_etp,
+           sc.n_servers, sc.server_tp, sc.gpus_per_node, sc.push_bucket_bytes, sim.net_efficiency,
+           sim.push_nvlink_gbs, sim.push_ib_gbs, sim.push_gloo_gbs, sim.push_convert_gbs)
+    if key not in _ESTIMATES:
+        _ESTIMATES[key] = _estimates(sc)
+    return _ESTIMATES[key]
 
+
+def update_time(sc: Scenario) -> float:
+    """Seconds of one weight update in the event engine: on a GPU cluster with separate trainer and server GPUs,
+    the plan's price on the path ``server.engine`` takes plus ``sim.update_overhead_s``; otherwise
+    ``CostModel.weight_update_time`` (an on-device copy when colocated; a CPU run's calibrated figure)."""
+    if sc.colocated or sc.gpu is CPU_PROCESS:
+        return CostModel(sc.model, sc.gpu, sc.sim).weight_update_time(sc.train_pp, sc.colocated)
+    path = "stage_heads" if sc.engine == "sglang" else "shard_to_shard"
+    return scenario_estimates(sc)[path].seconds + sc.sim.update_overhead_s
+
+
+def _estimates(sc: Scenario) -> dict[str, PushEstimate]:
     sim = sc.sim
     gbs = 1e9 * sim.net_efficiency
     links = Links(nvlink=sim.push_nvlink_gbs * gbs, ib=sim.push_ib_gbs * gbs, gloo=sim.push_gloo_gbs * gbs,
@@ -136,7 +158,7 @@ def scenario_estimates(sc) -> dict[str, PushEstimate]:
             "stage_heads": push_estimate(plan, links, bucket_bytes=sc.push_bucket_bytes, stage_head=True)}
 
 
-def describe(sc, step_time: float) -> str:
+def describe(sc: Scenario, step_time: float) -> str:
     """Lines for ``megatron-areal simulate``: the predicted push seconds of both paths and their share of a step."""
     est = scenario_estimates(sc)
     used = "stage_heads" if sc.engine == "sglang" else "shard_to_shard"
