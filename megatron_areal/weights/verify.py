@@ -33,6 +33,7 @@ from megatron_areal.fleet.vllm_client import VLLMClient
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.slices import shard_tensors
 from megatron_areal.model.weights import named_global_params
+from megatron_areal.weights.endpoints import weight_calls
 from megatron_areal.weights.plan import ServerLayout, TrainerLayout, TransferPlan, make_plan
 from megatron_areal.weights.push import WeightSyncError
 from megatron_areal.weights.wire import CHECKSUM_ROUTE, SLICE_SUM, add_sums, format_sum, slice_sum
@@ -198,6 +199,7 @@ def verify_push(sync: WeightSync, version: str) -> int:
     dist.broadcast_object_list(box, group=sync.control_group, group_src=0)
     replies, error = box[0]
     if error:
+        _close_update(sync)
         raise WeightMismatch(error)
     dtype = sync.dtype
     embedded = {u: slice_sums_of(r) for u, (kind, r) in replies.items() if kind == "embedded"}
@@ -226,5 +228,15 @@ def verify_push(sync: WeightSync, version: str) -> int:
     dist.broadcast_object_list(box, group=sync.control_group, group_src=0)
     count, outcome = box[0]
     if outcome:
+        _close_update(sync)
         raise WeightMismatch(outcome)
     return count
+
+
+def _close_update(sync: WeightSync) -> None:
+    """Rank 0 ends the servers' weight-update session but leaves them paused: no rollout is generated with the
+    weights that failed, and a later push (a resumed run) can open a new session."""
+    if sync.rank0 and sync.fleet is not None:
+        failed = sync.fleet.each(list(sync.servers), lambda c: weight_calls(c).end_weight_update())
+        for message in failed.values():
+            log.error("ending the weight update after a failed verification: %s", message)
