@@ -167,3 +167,58 @@ def test_main_job_logs_verified_tensors_every_step(tmp_path: Path) -> None:
 
     expected = _hf_tensor_count(Path(resolve_model("tiny-llama")))  # one server
     assert counts == [(step, float(expected)) for step in range(1, STEPS + 1)], counts
+
+
+def _w_checksums_of_layout(model_dir: str, tp: int, pp: int, ep: int) -> dict[str, str] | None:
+    """The trainer's checksums of the model loaded from ``model_dir`` at a layout (rank 0's; None elsewhere)."""
+    from megatron_areal.actor.model import build_model
+    from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.weights import load_hf_weights
+    from megatron_areal.weights.verify import trainer_sums
+
+    groups = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=1)
+    try:
+        arch = load_arch(model_dir)
+        chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
+                             sequence_parallel=tp > 1, ep=ep, etp=1, etp_rank=groups.etp_rank)
+        load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp, etp_rank=groups.etp_rank, etp_size=1)
+        return trainer_sums(chunks, arch, groups, {}, None)
+    finally:
+        teardown_parallel()
+
+
+@pytest.mark.parametrize("layout", [(2, 1, 2), (1, 2, 2), (2, 1, 4)], ids=["tp2-ep2", "pp2-ep2", "tp2-ep4"])
+def test_trainer_checksums_of_a_moe_layout_equal_the_model_folders(layout: tuple[int, int, int],
+                                                                   moe_pool: dict[str, Any]) -> None:
+    """Added up from the slices each rank holds (TP shards, experts over EP and replicas), the trainer's checksums
+    are those of the HF tensors transformers wrote: every tensor, no other."""
+    from safetensors.torch import load_file
+
+    from megatron_areal.weights.wire import format_sum, slice_sum
+
+    reference = {}
+    for f in moe_pool["model"].glob("*.safetensors"):
+        reference.update({n: format_sum(slice_sum(t)) for n, t in load_file(str(f)).items()})
+    got = moe_pool["pool"].run(_w_checksums_of_layout, str(moe_pool["model"]), *layout)[0]
+    assert got == reference
+
+
+@pytest.fixture(scope="module")
+def moe_pool(tmp_path_factory: pytest.TempPathFactory):
+    from megatron_areal.convert.spawn import WorkerPool
+    from tests.tiny_moe import make_tiny_qwen3_moe
+
+    model = make_tiny_qwen3_moe(tmp_path_factory.mktemp("verify-moe") / "model", seed=6)
+    with WorkerPool(4, timeout_s=300) as pool:
+        yield {"model": model, "pool": pool}
+
+
+def test_checksum_route_refuses_an_unknown_kind(world: dict[str, Any]) -> None:
+    import urllib.error
+    import urllib.request
+
+    url = world["servers"][0].url
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url + "/weights_checksum?kind=crc32", timeout=60)
+    assert err.value.code == 400 and "kind" in err.value.read().decode()
