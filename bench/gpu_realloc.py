@@ -1,7 +1,7 @@
 """The trainer side of the weight sync on one GPU: gather/convert/bucket against a plain device copy.
 
 One process (world size 1: NCCL on CUDA, gloo otherwise) builds a Llama-shaped model with the
-actor's ``build_model`` and streams it through ``realloc.buckets.hf_buckets`` (HF conversion of
+actor's ``build_model`` and streams it through ``weights.buckets.hf_buckets`` (HF conversion of
 fused QKV / gate-up, vocabulary trim, packing into one reused flat bucket) on the device. Side by
 side it measures a device-to-device copy of the same bytes in the same bucket-sized pieces, and
 the peak extra device memory of the bucket stream against one bucket. Without CUDA it runs the
@@ -27,7 +27,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _stream(chunks: list, arch, groups, bucket_bytes: int, dtype: torch.dtype) -> tuple[float, int, int]:
-    from megatron_areal.realloc.buckets import hf_buckets
+    from megatron_areal.weights.buckets import hf_buckets
 
     _sync(groups.device)
     start, total, count = time.perf_counter(), 0, 0

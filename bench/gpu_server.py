@@ -16,9 +16,9 @@ import random
 import statistics
 import time
 
+from megatron_areal.fleet.client import RolloutClient
 from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.model.assets import resolve_model, smollm2_path
-from megatron_areal.rollout.client import RolloutClient
 
 
 async def drive(url: str, requests: int, max_new: int, vocab: int, seed: int) -> tuple[float, int, list[float]]:

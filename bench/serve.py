@@ -39,12 +39,12 @@ import torch
 
 from megatron_areal.data.arithmetic import arithmetic_train
 from megatron_areal.data.template import encode_prompt
+from megatron_areal.fleet.client import RolloutClient
+from megatron_areal.fleet.vllm_client import VLLMClient
 from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.launch.server_process import start_server, stop_server
 from megatron_areal.launch.vllm import VLLMLaunch, launcher_command
 from megatron_areal.model.assets import smollm2_path
-from megatron_areal.rollout.client import RolloutClient
-from megatron_areal.rollout.vllm_client import VLLMClient
 from megatron_areal.util.netutil import free_port
 
 BATCH = 32

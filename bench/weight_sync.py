@@ -31,7 +31,7 @@ _STATE: dict[str, Any] = {}
 
 # ---- server processes: the embedded server plus a raw receiver thread ------------------------
 def _raw_receiver(inbox: Any, outbox: Any) -> None:
-    from megatron_areal.realloc.group import WeightUpdateGroup
+    from megatron_areal.weights.wire import WeightUpdateGroup
 
     groups: dict[str, WeightUpdateGroup] = {}
 
@@ -72,14 +72,14 @@ def _t_setup(model_dir: str, urls: list[str], bucket_mb: float, tp: int, pp: int
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.realloc.config import ReallocConfig
-    from megatron_areal.realloc.sync import WeightSync
+    from megatron_areal.weights.config import WeightsConfig
+    from megatron_areal.weights.push import WeightSync
 
     groups = init_parallel(tp=tp, pp=pp, backend="gloo")
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
-    config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=300.0, master_address="127.0.0.1")
+    config = WeightsConfig(bucket_mb=bucket_mb, timeout_s=300.0, master_address="127.0.0.1")
     _STATE.update(groups=groups, sync=WeightSync(chunks, arch, groups, urls, config=config))
 
 
@@ -110,7 +110,7 @@ def _t_record_pieces() -> list[int]:
 
 
 def _t_raw_join(ports: list[int], world: int) -> None:
-    from megatron_areal.realloc.group import WeightUpdateGroup
+    from megatron_areal.weights.wire import WeightUpdateGroup
 
     groups = _STATE["groups"]
     if groups.tp_rank == 0 and groups.dp_rank == 0:

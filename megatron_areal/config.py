@@ -6,8 +6,10 @@ or bad value raises ``ConfigError`` naming the dotted key and suggesting the clo
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_areal.algorithm.config import PPOConfig
@@ -24,10 +26,10 @@ from megatron_areal.configbase import (
     to_dict,
 )
 from megatron_areal.data.config import DataConfig
-from megatron_areal.realloc.config import ReallocConfig
 from megatron_areal.reward.config import RewardConfig
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.server.config import ServerConfig
+from megatron_areal.weights.config import WeightsConfig
 
 __all__ = ["Config", "ConfigError", "LoggingConfig", "TrainConfig", "load_config", "to_dict"]
 
@@ -77,7 +79,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
-    realloc: ReallocConfig = field(default_factory=ReallocConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -93,6 +95,10 @@ class Config:
         if self.rollout.workflow:
             problem = workflow_problem(self.rollout.workflow)
             require(problem is None, "rollout.workflow", str(problem))
+        require(not self.weights.verify or self.server.engine != "sglang", "weights.verify",
+                "true is not offered for server.engine=sglang: SGLang's /weights_checker hashes its own fused, "
+                "tensor-parallel parameters (with a GPU kernel), which the trainer cannot recompute from the HF "
+                "tensors it pushes; set weights.verify: false")
         longest = min(self.server.context_length or self.model.max_seq_len, self.model.max_seq_len)
         require(self.rollout.max_new_tokens < longest, "rollout.max_new_tokens",
                 f"({self.rollout.max_new_tokens}) leaves no room for a prompt in sequences of {longest} tokens "
@@ -124,11 +130,41 @@ def workflow_problem(spec: str) -> str | None:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """A validated ``Config`` from a YAML file (or the defaults) and ``key=value`` overrides; errors name the
     dotted key and the file."""
-    data = load_yaml(path) if path else {}
-    data = apply_overrides(Config, data, overrides or [])
+    data = renamed_sections(load_yaml(path) if path else {}, str(path or "the defaults"))
+    data = apply_overrides(Config, data, [renamed_override(o) for o in overrides or []])
     try:
         return from_dict(Config, data)
     except ConfigError as e:
         if path:
             raise ConfigError(f"{path}: {e}") from None
         raise
+
+
+# Sections renamed, old name -> new; the old name is still read for one release, with a warning.
+RENAMED_SECTIONS = {"realloc": "weights"}
+
+
+def _deprecated(old: str, new: str, where: str) -> None:
+    warnings.warn(f"{where}: the config section '{old}:' is now '{new}:' ('{old}' is read for one more release; "
+                  f"rename it)", FutureWarning, stacklevel=3)
+
+
+def renamed_sections(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data`` with every renamed section under its new name; both names at once is an error."""
+    for old, new in RENAMED_SECTIONS.items():
+        if old in data:
+            if new in data:
+                raise ConfigError(f"{where}: both '{old}:' and '{new}:' are given; '{old}' is the old name "
+                                  f"of '{new}', keep only '{new}:'")
+            _deprecated(old, new, where)
+            data = {(new if k == old else k): v for k, v in data.items()}
+    return data
+
+
+def renamed_override(text: str) -> str:
+    """``realloc.x=v`` -> ``weights.x=v`` (with the warning); other overrides unchanged."""
+    for old, new in RENAMED_SECTIONS.items():
+        if text.startswith(old + "."):
+            _deprecated(old, new, f"override {text.split('=', 1)[0]!r}")
+            return new + text[len(old):]
+    return text

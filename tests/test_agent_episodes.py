@@ -24,6 +24,7 @@ from megatron_areal.agent.workflow import load_workflow
 from megatron_areal.records import Trajectory
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.rollout.controller import RolloutController
+from megatron_areal.weights.endpoints import weight_calls
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,11 +54,11 @@ def make_controller(url: str, tokenizer: Any, agent: str, *, batch: int = 2, gro
 
 
 def update_weights(url: str, model: Path, version: int) -> None:
-    from megatron_areal.rollout.client import RolloutClient
+    from megatron_areal.fleet.client import RolloutClient
 
     async def call() -> None:
         async with RolloutClient(url) as client:
-            await client.update_weights_from_disk(str(model), weight_version=str(version))
+            await weight_calls(client).update_weights_from_disk(str(model), weight_version=str(version))
     asyncio.run(call())
 
 

@@ -8,14 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from aiohttp import web
 
+from megatron_areal.fleet.client import GenerateResult, RolloutClient, ServerError
+from megatron_areal.fleet.routing import ServerPool
 from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.model.assets import make_tiny_model
-from megatron_areal.realloc.group import WeightUpdateGroup
-from megatron_areal.rollout.client import GenerateResult, RolloutClient, ServerError
 from megatron_areal.rollout.request import VersionParser, generate_sample
-from megatron_areal.rollout.routing import ServerPool
 from megatron_areal.server.weights import read_safetensors
 from megatron_areal.util.netutil import free_port
+from megatron_areal.weights.endpoints import weight_calls
+from megatron_areal.weights.wire import WeightUpdateGroup
 
 KEY = "k"
 
@@ -64,12 +65,12 @@ def test_pause_resume_and_disk_update(arun, server, models) -> None:
         partial = await long
         waiting = asyncio.create_task(c.generate([5, 6] + partial.output_ids, {"max_new_tokens": 4,
                                                                                "ignore_eos": True}))
-        await c.update_weights_from_disk(str(models[1]), weight_version="1")
+        await weight_calls(c).update_weights_from_disk(str(models[1]), weight_version="1")
         await asyncio.sleep(0.2)
         assert not waiting.done()
         await c.resume()
         rest = await waiting
-        await c.update_weights_from_disk(str(models[0]), weight_version="0")
+        await weight_calls(c).update_weights_from_disk(str(models[0]), weight_version="0")
         return partial, rest
     partial, rest = arun(body)
     assert partial.finish_reason == "abort" and 0 < len(partial.output_ids) < 3000
@@ -96,18 +97,18 @@ def test_distributed_update_through_client(arun, server, models) -> None:
         with ThreadPoolExecutor(1) as ex:
             joining = asyncio.get_running_loop().run_in_executor(ex, lambda: WeightUpdateGroup(
                 master_address="127.0.0.1", master_port=port, rank=0, world_size=2, timeout_s=60))
-            await c.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1,
+            await weight_calls(c).init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1,
                                               world_size=2)
             group = await joining
-            await c.begin_weight_update()
-            update = asyncio.create_task(c.update_weights_from_distributed(
+            await weight_calls(c).begin_weight_update()
+            update = asyncio.create_task(weight_calls(c).update_weights_from_distributed(
                 names=names, dtypes=["float32"] * len(names), shapes=[list(new[n].shape) for n in names],
                 weight_version="7"))
             for n in names:
                 await asyncio.get_running_loop().run_in_executor(ex, group.broadcast, new[n].clone())
             await update
-            await c.end_weight_update()
-            await c.destroy_weights_update_group()
+            await weight_calls(c).end_weight_update()
+            await weight_calls(c).destroy_weights_update_group()
             group.destroy()
         return await c.weight_version()
     assert arun(body) == "7"
@@ -126,7 +127,7 @@ def test_errors_name_the_server(server) -> None:
             assert not await c.health()
         async with RolloutClient(server.url, api_key=KEY) as c:
             with pytest.raises(ServerError, match="update_weights_from_disk.*no \\*.safetensors"):
-                await c.update_weights_from_disk("/nonexistent")
+                await weight_calls(c).update_weights_from_disk("/nonexistent")
     asyncio.run(body())
 
 
@@ -150,7 +151,7 @@ def test_older_sglang_fallbacks() -> None:
             async with RolloutClient(f"127.0.0.1:{port}") as c:
                 assert await c.weight_version() == "12"
                 assert await c.load() == 5
-                await c.begin_weight_update()  # 404 from servers that don't need it: ignored
+                await weight_calls(c).begin_weight_update()  # 404 from servers that don't need it: ignored
         finally:
             await runner.cleanup()
     asyncio.run(body())

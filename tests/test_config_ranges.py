@@ -40,7 +40,7 @@ REFUSED = [
     ("ppo.kl_coef=.inf", "ppo.kl_coef"),
     ("ppo.behav_imp_weight_cap=.nan", "ppo.behav_imp_weight_cap"),
     ("reward.timeout_s=.inf", "reward.timeout_s"),
-    ("realloc.timeout_s=.nan", "realloc.timeout_s"),
+    ("weights.timeout_s=.nan", "weights.timeout_s"),
     ("model.router_aux_loss_coef=.nan", "model.router_aux_loss_coef"),
     ("server.startup_timeout_s=-1", "server.startup_timeout_s"),
 ]

@@ -16,6 +16,7 @@ from rollout_fakes import FakeFleet, FakeServer, ListPrompts, ParityScorer, deco
 from megatron_areal.records import Trajectory
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.rollout.controller import RolloutController, RolloutError
+from megatron_areal.weights.endpoints import weight_calls
 
 
 def make_controller(fleet: FakeFleet, prompts: ListPrompts, *, eta: int, **kw) -> RolloutController:
@@ -271,9 +272,9 @@ def test_with_embedded_server_across_weight_updates(tiny_llama):
     from transformers import AutoTokenizer
 
     from megatron_areal.data import PromptStream, encode_prompt, load_task
+    from megatron_areal.fleet.client import RolloutClient
     from megatron_areal.launch.embedded import start_embedded
     from megatron_areal.reward import RewardConfig, RewardService
-    from megatron_areal.rollout.client import RolloutClient
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
     stream = PromptStream(load_task("arithmetic", seed=0, size=64), seed=0)
@@ -285,7 +286,7 @@ def test_with_embedded_server_across_weight_updates(tiny_llama):
         async with RolloutClient(url) as client:
             if version is None:
                 return await client.load()
-            await client.update_weights_from_disk(str(tiny_llama), weight_version=str(version))
+            await weight_calls(client).update_weights_from_disk(str(tiny_llama), weight_version=str(version))
             return 0
 
     trained: list[tuple[int, Trajectory]] = []

@@ -8,9 +8,9 @@ from rollout_fakes import FakeFleet, FakeServer, ListPrompts, ParityScorer, deco
 
 from megatron_areal.data.prompt import Prompt
 from megatron_areal.evaluation.held_out import evaluate
+from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
 from megatron_areal.rollout.controller import RolloutController
-from megatron_areal.rollout.fleet import Fleet
 
 
 class Tokenizer:

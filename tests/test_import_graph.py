@@ -27,7 +27,7 @@ Graph = dict[str, dict[str, list[str]]]  # part -> imported part -> the importin
 
 
 def part_of(module: str) -> str | None:
-    """``megatron_areal.rollout.fleet`` -> ``rollout``; None outside the package."""
+    """``megatron_areal.fleet.fleet`` -> ``rollout``; None outside the package."""
     names = module.split(".")
     return names[1] if names[0] == "megatron_areal" and len(names) > 1 else None
 
@@ -119,7 +119,52 @@ def test_model_is_below_every_part_that_uses_it() -> None:
     graph = package_graph()
     assert set(graph["model"]) <= {"configbase"}, dict(graph["model"])
     users = {part for part, deps in graph.items() if "model" in deps}
-    assert {"actor", "server", "convert", "realloc", "launch", "sim"} <= users
+    assert {"actor", "server", "convert", "weights", "launch", "sim"} <= users
+
+
+def module_of(name: str) -> str:
+    """The module an imported name lives in: ``megatron_areal.weights.wire.join_group`` -> ``...weights.wire``."""
+    parts = name.split(".")
+    for n in range(len(parts), 1, -1):
+        where = PACKAGE.joinpath(*parts[1:n])
+        if where.with_suffix(".py").is_file() or (where / "__init__.py").is_file():
+            return ".".join(parts[:n])
+    return name
+
+
+def modules_imported_from(part: str, target: str) -> dict[str, list[str]]:
+    """{module of part ``target``: the files of part ``part`` that import it}."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for path in sorted((PACKAGE / part).rglob("*.py")):
+        for name in imported_modules(path):
+            if part_of(name) == target:
+                out[module_of(name)].append(str(path.relative_to(PACKAGE.parent)))
+    return out
+
+
+WIRE = "megatron_areal.weights.wire"  # the one module of the weight path both ends share
+
+
+@pytest.mark.parametrize("receiver", ["server", "vllm_plugin"])
+def test_receivers_import_only_the_wire_protocol_of_the_weight_path(receiver: str) -> None:
+    """The servers (embedded, and vLLM's plugin) take part in the weight push through ``weights/wire.py``
+    alone: they pull in neither Megatron (the trainer side of the weight path) nor the rollout side."""
+    graph = package_graph()
+    assert "weights" in graph[receiver]
+    assert set(modules_imported_from(receiver, "weights")) == {WIRE}, dict(modules_imported_from(receiver, "weights"))
+    wire = PACKAGE / "weights" / "wire.py"
+    assert [m for m in imported_modules(wire) if m.startswith("megatron_areal.")] == [], "wire.py imports the package"
+    init = PACKAGE / "weights" / "__init__.py"
+    assert [m for m in imported_modules(init) if m.startswith("megatron_areal.")] == []
+    assert not {"rollout", "fleet", "actor"} & set(graph[receiver]), dict(graph[receiver])
+
+
+def test_the_weight_path_and_the_fleet_do_not_pass_through_rollout() -> None:
+    """A push goes trainer -> ``weights/`` -> ``fleet/`` -> the servers; ``rollout/`` is a user of the fleet."""
+    graph = package_graph()
+    assert "rollout" not in graph["weights"], dict(graph["weights"])
+    assert "rollout" not in graph["fleet"], dict(graph["fleet"])
+    assert "fleet" in graph["rollout"] and "fleet" in graph["weights"]
 
 
 def test_config_sections_are_leaves() -> None:
@@ -173,3 +218,5 @@ if __name__ == "__main__":
     graph = package_graph()
     print(render(graph))
     print("cycle:", " -> ".join(find_cycle(graph) or ["none"]))
+    for receiver in ("server", "vllm_plugin"):
+        print(f"{receiver} imports of the weight path:", ", ".join(sorted(modules_imported_from(receiver, "weights"))))

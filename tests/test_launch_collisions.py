@@ -226,7 +226,7 @@ def test_trainer_client_sends_nothing_keyed_to_a_server_that_is_not_the_runs(tmp
     key, is not admitted, and is not paused."""
     import asyncio
 
-    from megatron_areal.rollout.client import RolloutClient, ServerError
+    from megatron_areal.fleet.client import RolloutClient, ServerError
     from megatron_areal.util.run_identity import NONCE_ENV, new_nonce
 
     port = free_ports(1)[0]

@@ -15,10 +15,10 @@ from pathlib import Path
 from aiohttp import web
 from rollout_fakes import FakeFleet, FakeServer, ListPrompts, ParityScorer, decode, encode
 
-from megatron_areal.rollout.client import RolloutClient
+from megatron_areal.fleet.client import RolloutClient
+from megatron_areal.fleet.routing import ServerSlot
 from megatron_areal.rollout.config import RolloutConfig
 from megatron_areal.rollout.loop import RolloutLoop
-from megatron_areal.rollout.routing import ServerSlot
 from megatron_areal.rundir.ledger import TrainedLedger
 from megatron_areal.rundir.metrics import MetricsWriter, append_eval, read_eval, truncate_after
 

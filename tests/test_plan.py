@@ -382,7 +382,7 @@ def test_model_path_is_resolved_once_to_an_absolute_folder(tmp_path: Path, monke
 
 
 def _master_address_overrides(cmd: list[str]) -> list[str]:
-    return [a for a in cmd if a.startswith("realloc.master_address=")]
+    return [a for a in cmd if a.startswith("weights.master_address=")]
 
 
 def test_each_trainer_node_hosts_its_weight_groups_at_its_plan_address(tmp_path: Path) -> None:
@@ -393,11 +393,11 @@ def test_each_trainer_node_hosts_its_weight_groups_at_its_plan_address(tmp_path:
     config = str(ROOT / "configs/train_32b.yaml")
     for rank, node in enumerate(plan.trainer.nodes):
         cmd = trainer_command(plan, rank, config, [], tmp_path / "plan.json")
-        assert _master_address_overrides(cmd) == [f"realloc.master_address={plan.node(node).addr}"]
-    cmd = trainer_command(plan, 8, config, ["realloc.master_address=10.0.0.9"], tmp_path / "plan.json")
-    assert _master_address_overrides(cmd)[-1] == "realloc.master_address=10.0.0.9"  # the user's word is last
+        assert _master_address_overrides(cmd) == [f"weights.master_address={plan.node(node).addr}"]
+    cmd = trainer_command(plan, 8, config, ["weights.master_address=10.0.0.9"], tmp_path / "plan.json")
+    assert _master_address_overrides(cmd)[-1] == "weights.master_address=10.0.0.9"  # the user's word is last
     explicit = tmp_path / "explicit.yaml"
-    explicit.write_text((ROOT / "configs/train_32b.yaml").read_text() + "realloc:\n  master_address: 10.1.2.3\n")
+    explicit.write_text((ROOT / "configs/train_32b.yaml").read_text() + "weights:\n  master_address: 10.1.2.3\n")
     assert _master_address_overrides(trainer_command(plan, 0, str(explicit), [], tmp_path / "plan.json")) == []
 
 
@@ -408,4 +408,4 @@ def test_local_trainer_hosts_its_weight_groups_at_the_server_host(tmp_path: Path
     cfg = load_config(ROOT / "configs/train_tiny.yaml", ["server.host=127.0.0.1"])
     plan = local_plan(cfg)
     cmd = trainer_command(plan, 0, str(ROOT / "configs/train_tiny.yaml"), [], tmp_path / "plan.json")
-    assert _master_address_overrides(cmd) == ["realloc.master_address=127.0.0.1"]
+    assert _master_address_overrides(cmd) == ["weights.master_address=127.0.0.1"]

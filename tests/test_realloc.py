@@ -38,8 +38,8 @@ def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, t
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.realloc.config import ReallocConfig
-    from megatron_areal.realloc.sync import WeightSync
+    from megatron_areal.weights.config import WeightsConfig
+    from megatron_areal.weights.push import WeightSync
 
     for key in ("sync", "disk"):  # a new layout in the same processes
         if key in _STATE:
@@ -48,8 +48,8 @@ def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, t
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
-    config = ReallocConfig(bucket_mb=bucket_mb, timeout_s=10.0, master_address="127.0.0.1", flattened_bucket=flat)
-    disk = ReallocConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0, master_address="127.0.0.1")
+    config = WeightsConfig(bucket_mb=bucket_mb, timeout_s=10.0, master_address="127.0.0.1", flattened_bucket=flat)
+    disk = WeightsConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0, master_address="127.0.0.1")
     _STATE.update(groups=groups, arch=arch, chunks=chunks, model_dir=model_dir,
                   sync=WeightSync(chunks, arch, groups, urls, config=config),
                   disk=WeightSync(chunks, arch, groups, urls, config=disk, template_dir=model_dir))
@@ -153,14 +153,15 @@ def _start_servers(model: Path, n: int) -> list[Any]:
 
 def _reset(url: str, model: Path) -> None:
     """Back to the base model at version ``init``, as a freshly started server."""
-    from megatron_areal.rollout.client import RolloutClient
+    from megatron_areal.fleet.client import RolloutClient
+    from megatron_areal.weights.endpoints import weight_calls
 
     async def go() -> None:
         async with RolloutClient(url) as c:
             await c.pause()
-            await c.begin_weight_update()
-            await c.update_weights_from_disk(str(model), weight_version="init")
-            await c.end_weight_update()
+            await weight_calls(c).begin_weight_update()
+            await weight_calls(c).update_weights_from_disk(str(model), weight_version="init")
+            await weight_calls(c).end_weight_update()
             await c.resume()
 
     asyncio.run(go())
@@ -206,7 +207,7 @@ def _assert_serves(url: str, hf_dir: Path, version: str) -> None:
 
 
 def _greedy(url: str, prompt: list[int], n: int) -> list[int]:
-    from megatron_areal.rollout.client import RolloutClient
+    from megatron_areal.fleet.client import RolloutClient
 
     async def go() -> list[int]:
         async with RolloutClient(url) as c:
@@ -254,9 +255,10 @@ def test_disk_path_and_next_version(world: dict[str, Any]) -> None:
 
 
 def test_mismatched_bucket_is_refused_and_old_weights_stay(world: dict[str, Any]) -> None:
-    from megatron_areal.realloc.group import WeightUpdateGroup
-    from megatron_areal.rollout.client import RolloutClient, ServerError
+    from megatron_areal.fleet.client import RolloutClient, ServerError
     from megatron_areal.util.netutil import free_port
+    from megatron_areal.weights.endpoints import weight_calls
+    from megatron_areal.weights.wire import WeightUpdateGroup
 
     url = world["servers"][0].url
     before = _get(url, "/weights_checksum")
@@ -267,21 +269,21 @@ def test_mismatched_bucket_is_refused_and_old_weights_stay(world: dict[str, Any]
     async def go() -> list[str]:
         messages = []
         async with RolloutClient(url) as c:
-            init = asyncio.create_task(c.init_weights_update_group(
+            init = asyncio.create_task(weight_calls(c).init_weights_update_group(
                 master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name="bad"))
             group = await asyncio.to_thread(WeightUpdateGroup, master_address="127.0.0.1", master_port=port,
                                             rank=0, world_size=2, group_name="bad", timeout_s=20)
             await init
-            await c.begin_weight_update()  # SGLang 0.5.23 refuses updates outside begin/end
+            await weight_calls(c).begin_weight_update()  # SGLang 0.5.23 refuses updates outside begin/end
             for names, shapes, _ in bad:
-                call = asyncio.create_task(c.update_weights_from_distributed(
+                call = asyncio.create_task(weight_calls(c).update_weights_from_distributed(
                     names=names, dtypes=["float32"], shapes=shapes, group_name="bad", weight_version="bad"))
                 await asyncio.to_thread(group.broadcast, torch.ones(shapes[0]))
                 with pytest.raises(ServerError) as err:
                     await call
                 messages.append(str(err.value))
-            await c.end_weight_update()
-            await c.destroy_weights_update_group("bad")
+            await weight_calls(c).end_weight_update()
+            await weight_calls(c).destroy_weights_update_group("bad")
             group.destroy()
         return messages
 

@@ -35,8 +35,8 @@ def _w_setup(model_dir: str, url: str, tp: int, pp: int, ep: int, etp: int, disk
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.realloc.config import ReallocConfig
-    from megatron_areal.realloc.sync import WeightSync
+    from megatron_areal.weights.config import WeightsConfig
+    from megatron_areal.weights.push import WeightSync
 
     if "sync" in _STATE:
         _STATE.pop("sync").close()
@@ -45,9 +45,9 @@ def _w_setup(model_dir: str, url: str, tp: int, pp: int, ep: int, etp: int, disk
     chunks = build_model(arch, groups, sequence_parallel=tp > 1)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp, etp_rank=groups.etp_rank, etp_size=groups.etp)
     _perturb(chunks, groups)
-    config = ReallocConfig(bucket_mb=0.02, timeout_s=20.0, master_address="127.0.0.1")
+    config = WeightsConfig(bucket_mb=0.02, timeout_s=20.0, master_address="127.0.0.1")
     if disk_dir:
-        config = ReallocConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0)
+        config = WeightsConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0)
     _STATE.update(groups=groups, arch=arch, chunks=chunks, model_dir=model_dir,
                   sync=WeightSync(chunks, arch, groups, [url], config=config, template_dir=model_dir))
     return {"dp": groups.dp_rank, "ep": groups.ep_rank, "etp": groups.etp_rank, "edp": groups.edp_rank}

@@ -14,9 +14,9 @@ from netutil import http_call, paused
 
 from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.model.assets import make_tiny_model
-from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.weights import read_safetensors, tensor_checksum
 from megatron_areal.util.netutil import free_port
+from megatron_areal.weights.wire import WeightUpdateGroup
 
 KEY = "secret-key"
 
@@ -219,7 +219,7 @@ def test_abort_request_by_rid(server) -> None:
 
 
 def test_200_concurrent_requests_complete(server) -> None:
-    from megatron_areal.rollout.client import RolloutClient
+    from megatron_areal.fleet.client import RolloutClient
 
     async def burst():
         async with RolloutClient(server.url, api_key=KEY, timeout_s=300) as client:

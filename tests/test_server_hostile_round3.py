@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 
 from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.model.assets import make_tiny_model
-from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.weights import read_safetensors
 from megatron_areal.util.netutil import free_port
+from megatron_areal.weights.wire import WeightUpdateGroup
 
 KEY = "round3-key"
 MAX_CONNECTIONS = 16

@@ -20,11 +20,12 @@ from engine_jobs import run_jobs
 from netutil import free_ports, http_call
 from tiny_moe import make_tiny_mixtral, make_tiny_qwen2_moe, make_tiny_qwen3_moe
 
-from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.engine import Engine, EngineOptions
 from megatron_areal.server.routes import RouteLog
 from megatron_areal.server.sampler import SamplingParams
 from megatron_areal.server.weights import read_safetensors
+from megatron_areal.weights.endpoints import weight_calls
+from megatron_areal.weights.wire import WeightUpdateGroup
 
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4], [10, 20, 30, 40, 50, 60, 70, 80, 90]]
 LOGPROB_TOL = 1e-4
@@ -354,11 +355,11 @@ def test_interrupted_sample_keeps_each_versions_routes(moe_models, url, hf_a) ->
     """A sample cut after 5 tokens by an update to model B and resumed: positions before the cut's
     last token carry A's routing, the rest B's (each position's route is that of the weights that
     produced the token after it), and the trajectory carries them through the buffer's state."""
+    from megatron_areal.fleet.client import RolloutClient
+    from megatron_areal.fleet.routing import ServerPool
     from megatron_areal.records import Group, Trajectory
     from megatron_areal.rollout.buffer import ReplayBuffer
-    from megatron_areal.rollout.client import RolloutClient
     from megatron_areal.rollout.request import VersionParser, generate_sample
-    from megatron_areal.rollout.routing import ServerPool
 
     class UpdatedMidway(RolloutClient):
         """The first segment stops after 5 tokens, as if paused for a weight update, which then runs."""
@@ -369,7 +370,7 @@ def test_interrupted_sample_keeps_each_versions_routes(moe_models, url, hf_a) ->
             if self.calls > 1:
                 return await super().generate(input_ids, sampling_params, rid, **kw)
             result = await super().generate(input_ids, {**sampling_params, "max_new_tokens": 5}, rid, **kw)
-            await self.update_weights_from_disk(str(moe_models[1]), weight_version="1")
+            await weight_calls(self).update_weights_from_disk(str(moe_models[1]), weight_version="1")
             result.finish_reason = "abort"
             return result
 
@@ -414,7 +415,7 @@ def test_client_body_fields_are_sglangs_and_bad_routes_fail_the_sample(monkeypat
 
     from sglang_receiver import io_struct
 
-    from megatron_areal.rollout.client import GenerateResult, RolloutClient
+    from megatron_areal.fleet.client import GenerateResult, RolloutClient
     from megatron_areal.rollout.request import SampleError, SampleOutput
 
     sent: list[dict[str, Any]] = []

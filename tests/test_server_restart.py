@@ -140,15 +140,15 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.realloc.config import ReallocConfig
-    from megatron_areal.realloc.sync import WeightSync
+    from megatron_areal.weights.config import WeightsConfig
+    from megatron_areal.weights.push import WeightSync
 
     groups = init_parallel(tp=1, pp=1, backend="gloo")
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, 0, 1)
     events: list = []
-    sync = WeightSync(chunks, arch, groups, urls, config=ReallocConfig(timeout_s=10.0, master_address="127.0.0.1"),
+    sync = WeightSync(chunks, arch, groups, urls, config=WeightsConfig(timeout_s=10.0, master_address="127.0.0.1"),
                       on_drop=lambda url, why: events.append(("drop", url)),
                       on_join=lambda url: events.append(("join", url)))
     _STATE.update(sync=sync, events=events)

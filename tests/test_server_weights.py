@@ -20,9 +20,9 @@ from netutil import http_call
 
 from megatron_areal.launch.embedded import LocalServer, start_embedded
 from megatron_areal.model.assets import make_tiny_model
-from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.weights import read_safetensors, tensor_checksum
 from megatron_areal.util.netutil import free_port
+from megatron_areal.weights.wire import WeightUpdateGroup
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -102,9 +102,10 @@ def test_stage_link_from_a_torchrun_rank_meets_sglang(receivers: list[ReceiverPr
 
 
 def _send_and_check(receivers: list[ReceiverProcess], flat: bool) -> None:
-    from megatron_areal.realloc.buckets import pack_buckets
-    from megatron_areal.realloc.link import StageLink
-    from megatron_areal.rollout.fleet import Fleet
+    from megatron_areal.fleet.fleet import Fleet
+    from megatron_areal.weights.buckets import pack_buckets
+    from megatron_areal.weights.endpoints import weight_calls
+    from megatron_areal.weights.link import StageLink
 
     tensors = mixed_tensors()
     pool = Fleet(control_timeout_s=60)
@@ -112,10 +113,10 @@ def _send_and_check(receivers: list[ReceiverProcess], flat: bool) -> None:
                      backend="gloo", timeout_s=60)
     try:
         assert link.form() == {}
-        assert not pool.each(link.urls, lambda c: c.begin_weight_update())
+        assert not pool.each(link.urls, lambda c: weight_calls(c).begin_weight_update())
         for bucket in pack_buckets(iter(tensors), bucket_bytes=4096, flat=flat):
             assert link.send(bucket, "7") == {}
-        assert not pool.each(link.urls, lambda c: c.end_weight_update())
+        assert not pool.each(link.urls, lambda c: weight_calls(c).end_weight_update())
         link.destroy(link.urls)
     finally:
         pool.close()
@@ -162,7 +163,8 @@ def test_group_on_other_store_keys_is_caught_within_a_timeout() -> None:
 def test_every_client_body_is_a_valid_sglang_request(receivers: list[ReceiverProcess]) -> None:
     """Each body the client sends parses with SGLang's request class for that endpoint (unknown
     fields refused), and the reply's per-token versions follow SGLang's own spans."""
-    from megatron_areal.rollout.client import RolloutClient
+    from megatron_areal.fleet.client import RolloutClient
+    from megatron_areal.weights.endpoints import weight_calls
 
     url = receivers[0].url
 
@@ -173,9 +175,9 @@ def test_every_client_body_is_a_valid_sglang_request(receivers: list[ReceiverPro
             await c.pause("abort")
             await c.abort("q-1")
             await c.abort_all()
-            await c.begin_weight_update()
-            await c.update_weights_from_disk("/nonexistent", weight_version="3")
-            await c.end_weight_update()
+            await weight_calls(c).begin_weight_update()
+            await weight_calls(c).update_weights_from_disk("/nonexistent", weight_version="3")
+            await weight_calls(c).end_weight_update()
             await c.resume()
             await c.flush_cache()
             return result
@@ -192,7 +194,7 @@ def test_every_client_body_is_a_valid_sglang_request(receivers: list[ReceiverPro
 @pytest.mark.parametrize("receivers", [1], indirect=True)
 def test_receiver_refuses_fields_sglang_does_not_know(receivers: list[ReceiverProcess]) -> None:
     """The check can fail: a body with a field SGLang lacks, or a wrong type, is refused."""
-    from megatron_areal.rollout.client import RolloutClient, ServerError
+    from megatron_areal.fleet.client import RolloutClient, ServerError
 
     async def drive() -> list[str]:
         errors = []
@@ -201,7 +203,7 @@ def test_receiver_refuses_fields_sglang_does_not_know(receivers: list[ReceiverPr
                                    ("/update_weight_version", {"new_version": 4}),
                                    ("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}})]:
                 try:
-                    await c._request("POST", endpoint, body)
+                    await c.request("POST", endpoint, body)
                 except ServerError as e:
                     errors.append(str(e))
         return errors
@@ -215,14 +217,14 @@ def _w_push_pp2(model_dir: str, urls: list[str], version: str) -> list[str]:
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.realloc.config import ReallocConfig
-    from megatron_areal.realloc.sync import WeightSync
+    from megatron_areal.weights.config import WeightsConfig
+    from megatron_areal.weights.push import WeightSync
 
     groups = init_parallel(tp=1, pp=2, backend="gloo")
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
-    config = ReallocConfig(bucket_mb=0.05, timeout_s=60.0, master_address="127.0.0.1")
+    config = WeightsConfig(bucket_mb=0.05, timeout_s=60.0, master_address="127.0.0.1")
     sync = WeightSync(chunks, arch, groups, urls, config=config)
     try:
         return sync.sync(version).servers
@@ -266,15 +268,15 @@ def _w_sync_one_rank(model_dir: str, urls: list[str], version: str) -> dict[str,
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.realloc.config import ReallocConfig
-    from megatron_areal.realloc.sync import WeightSync, WeightSyncError
+    from megatron_areal.weights.config import WeightsConfig
+    from megatron_areal.weights.push import WeightSync, WeightSyncError
 
     groups = init_parallel(tp=1, pp=1, backend="gloo")
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, 0, 1)
     dropped: list[str] = []
-    sync = WeightSync(chunks, arch, groups, urls, config=ReallocConfig(timeout_s=60.0, master_address="127.0.0.1"),
+    sync = WeightSync(chunks, arch, groups, urls, config=WeightsConfig(timeout_s=60.0, master_address="127.0.0.1"),
                       on_drop=lambda url, reason: dropped.append(url))
     try:
         result = sync.sync(version)

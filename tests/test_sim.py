@@ -25,6 +25,7 @@ from megatron_areal.sim.calibrate import _truncated_mean, calibrate, read_scalar
 from megatron_areal.sim.cli import main as simulate_main
 from megatron_areal.sim.costs import CostModel, decode_cost, sum_max_linear
 from megatron_areal.sim.engine import simulate
+from megatron_areal.sim.push import update_time
 from megatron_areal.sim.result import TRAINER
 from megatron_areal.sim.scenario import ScenarioError, from_config
 
@@ -175,7 +176,7 @@ def _write_events(run_dir, r, loss_per_token: float = 1.0, extra: dict[str, floa
     from torch.utils.tensorboard import SummaryWriter
 
     sc = r.scenario
-    sync_s = CostModel(sc.model, sc.gpu, sc.sim).weight_update_time(sc.train_pp, sc.colocated)
+    sync_s = update_time(sc)  # what the engine charged for an update
     w = SummaryWriter(str(run_dir))
     snaps, prev = r.snapshots, None
     for i, s in enumerate(snaps):

@@ -78,7 +78,7 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def fleet(server):
-    from megatron_areal.rollout.fleet import Fleet
+    from megatron_areal.fleet.fleet import Fleet
 
     f = Fleet([server["url"]], engine="vllm", request_timeout_s=600, api_key=API_KEY)
     yield f
@@ -107,8 +107,8 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
-    from megatron_areal.realloc.config import ReallocConfig
-    from megatron_areal.realloc.sync import WeightSync
+    from megatron_areal.weights.config import WeightsConfig
+    from megatron_areal.weights.push import WeightSync
 
     groups = init_parallel(tp=1, pp=1, backend="gloo")
     arch = load_arch(model_dir)
@@ -119,7 +119,7 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
     sync = WeightSync(chunks, arch, groups, urls, engine="vllm", api_key=API_KEY,
                       on_drop=lambda url, why: events.append(("drop", url)),
                       on_join=lambda url: events.append(("join", url)),
-                      config=ReallocConfig(timeout_s=120.0, master_address="127.0.0.1", pause_mode="retract"))
+                      config=WeightsConfig(timeout_s=120.0, master_address="127.0.0.1", pause_mode="retract"))
     _STATE.update(sync=sync, chunks=chunks, arch=arch, events=events)
 
 
@@ -150,7 +150,7 @@ def _w_close() -> None:
 # ---- helpers -------------------------------------------------------------------------------------
 
 def generate(fleet, url: str, prompt: list[int], params: dict):
-    from megatron_areal.rollout.client import ServerError
+    from megatron_areal.fleet.client import ServerError
 
     try:
         return fleet.run(fleet.client(url).generate(prompt, dict(params)), timeout=600)
@@ -269,6 +269,51 @@ def test_weight_push_gives_what_loading_from_disk_gives(model: Path, server, fle
     assert checksums(url) == from_disk, "pushing the original weights back did not restore them bit for bit"
     assert generate(fleet, url, PROMPTS[0], GREEDY).output_ids == hf_greedy(model, PROMPTS[0],
                                                                               GREEDY["max_new_tokens"])
+
+
+def _w_verified_sync(version: str, corrupt: str | None = None) -> dict:
+    """A push with ``weights.verify`` on; with ``corrupt``, that tensor leaves the trainer with one bit flipped."""
+    import contextlib
+
+    from megatron_areal.weights.push import WeightSyncError
+    from tests.wire_corruption import corrupt_on_the_wire
+
+    sync = _STATE["sync"]
+    sync.config.verify = True
+    try:
+        with corrupt_on_the_wire(corrupt) if corrupt else contextlib.nullcontext({}) as corrupted:
+            r = sync.sync(version)
+        return {"verified": r.verified_tensors, **corrupted}
+    except WeightSyncError as e:
+        return {"error": str(e), "type": type(e).__name__}
+    finally:
+        sync.config.verify = False
+
+
+@pytest.mark.timeout(900)
+def test_verified_push_compares_vllm_weight_checker_and_names_a_corrupted_tensor(model: Path, server,
+                                                                                  trainer) -> None:
+    """``weights.verify`` against vLLM's own ``/weight_checker``: every tensor vLLM reports with its bytes under an
+    HF name (its CPU build empties the linear layers' weights into oneDNN's packed copies) is compared, and a
+    bit flipped on the wire in the final norm stops the push naming it, the server and the version."""
+    from safetensors import safe_open
+
+    url = server["url"]
+    hf_names = set()
+    for f in model.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            hf_names.update(st.keys())
+    r = trainer.run(_w_verified_sync, "21")[0]
+    empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
+    reported = {k.split(":")[-1] for k, v in checksums(url).items() if v != empty}
+    comparable = reported & hf_names
+    assert "model.norm.weight" in comparable, sorted(reported)
+    assert r == {"verified": len(comparable)}, (r, sorted(comparable))
+
+    r = trainer.run(_w_verified_sync, "22", "model.norm.weight")[0]
+    assert r.get("type") == "WeightMismatch", r
+    assert "tensor 'model.norm.weight' on server " + url in r["error"] and "weights v22" in r["error"], r
+    assert trainer.run(_w_verified_sync, "23")[0] == {"verified": len(comparable)}  # a clean push repairs it
 
 
 @pytest.mark.timeout(900)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_areal.rollout.vllm_client import results_from_reply, versions_per_token, vllm_sampling_params
+from megatron_areal.fleet.vllm_client import results_from_reply, versions_per_token, vllm_sampling_params
 
 
 def choice(ids: list[int], spans: list[dict] | None, reason: str = "length") -> dict:

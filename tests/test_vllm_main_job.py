@@ -50,7 +50,7 @@ def test_main_job_on_vllm_learns_and_readmits_a_killed_server(tmp_path: Path) ->
     # batch that no server can produce, and the weight sync that would re-admit it comes after that batch)
     cfg["server"].update(engine="vllm", python=VLLM_PYTHON, count=2, startup_timeout_s=900, max_restarts=2,
                          restart_backoff_s=0.5)
-    cfg["realloc"] = {"timeout_s": 300}
+    cfg["weights"] = {"timeout_s": 300}
     path = tmp_path / "zeros-vllm.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_dir = Path(cfg["train"]["run_dir"])

@@ -1,6 +1,6 @@
 """The project's vLLM plugin: which weight-transfer engine each kind of server is started with.
 
-The trainer pushes weights over a ``torch.distributed`` group it forms with ``realloc/group.join_group``
+The trainer pushes weights over a ``torch.distributed`` group it forms with ``weights/wire.join_group``
 (gloo on CPU, NCCL on GPUs), the group SGLang and the embedded server join. vLLM's own ``nccl`` engine
 forms its group differently (its own rendezvous, its own field names) and cannot join it, so a GPU
 server must be started with the plugin's NCCL engine, not vLLM's. The registrations are read from vLLM's

@@ -44,6 +44,11 @@ class SimConfig:
     kernels_per_layer: int = 10  # norm, qkv, rope, attention, o, norm, gate/up, act, down, add
     update_overhead_s: float = 0.5  # pause/resume RPCs and the version bookkeeping of one update
     optimizer_bytes_per_param: float = 16.0  # Adam: fp32 master, two moments, grads, read+write
+    # --- the weight push (sim/push.py): link bandwidths in GB/s per direction, before net_efficiency
+    push_nvlink_gbs: float = 450.0  # NVLink 4 (H100/H200): 900 GB/s both ways per GPU
+    push_ib_gbs: float = 50.0  # one 400 Gb/s NDR InfiniBand NIC per GPU
+    push_gloo_gbs: float = 1.0  # gloo over TCP between CPU processes (a CPU run)
+    push_convert_gbs: float = 274.0  # gather + HF conversion + packing on a sender: 255 GiB/s measured on an H200
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
@@ -58,5 +63,7 @@ class SimConfig:
         for key in ("hbm_efficiency", "decode_flops_efficiency", "prefill_mfu", "train_mfu",
                     "net_efficiency"):
             require(0 < getattr(self, key) <= 1, key, "must be in (0, 1]")
+        for key in ("push_nvlink_gbs", "push_ib_gbs", "push_gloo_gbs", "push_convert_gbs"):
+            require(getattr(self, key) > 0, key, "must be > 0")
         for key in ("decode_step_overhead_s", "kernel_gap_s", "update_overhead_s"):
             require(getattr(self, key) >= 0, key, "must be >= 0")

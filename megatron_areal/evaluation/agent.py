@@ -15,9 +15,9 @@ from megatron_areal.agent.from_config import episode_limits
 from megatron_areal.agent.render import ChatRenderer
 from megatron_areal.agent.runner import EpisodeLimits, EpisodeRunner, agent_task
 from megatron_areal.agent.workflow import AgentFn, load_workflow
-from megatron_areal.rollout.client import ServerError
+from megatron_areal.fleet.client import ServerError
+from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.rollout.config import RolloutConfig
-from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron_areal.data.prompt import Prompt
 from megatron_areal.evaluation.held_out import EvalResult, evaluate
-from megatron_areal.rollout.fleet import Fleet
+from megatron_areal.fleet.fleet import Fleet
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_areal.data.prompt import Prompt
 from megatron_areal.data.template import encode_prompt
-from megatron_areal.rollout.fleet import Fleet
+from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.rundir import timeline
 
 logger = logging.getLogger(__name__)

@@ -45,6 +45,8 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     check_plan(plan, cfg, eta_is_explicit(args.config, args.overrides), model_here=in_allocation)
     plan.warnings.extend(busy_here(cfg))
     print(describe(plan, args.config))
+    from megatron_areal.launch.weight_plan import describe_weight_push
+    print(describe_weight_push(cfg, plan))
     return 0 if plan.ok else 1
 
 

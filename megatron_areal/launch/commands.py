@@ -82,16 +82,17 @@ def server_command(slot: ServerSlot, cfg: Config, model_dir: str, reg_dir: Path)
 
 
 def weight_group_address(plan: Plan, node_rank: int, config_path: str, overrides: list[str]) -> list[str]:
-    """``realloc.master_address`` for the trainer ranks of node ``node_rank``: that node's address in
+    """``weights.master_address`` for the trainer ranks of node ``node_rank``: that node's address in
     the plan. Pipeline stage heads host the weight-update groups the servers join, and with PP > 1
     they sit on different trainer nodes, so each node passes its own address. The host's resolver is
     no substitute (Debian maps the host name to 127.0.1.1). An address the user set wins."""
-    if any(parse_override(o)[0] == ["realloc", "master_address"] for o in overrides):
+    sections = ("weights", "realloc")  # "realloc" is the section's old name, still read
+    if any(parse_override(o)[0] in [[s, "master_address"] for s in sections] for o in overrides):
         return []
-    realloc = load_yaml(config_path).get("realloc")
-    if isinstance(realloc, dict) and realloc.get("master_address"):
+    data = load_yaml(config_path)
+    if any(isinstance(data.get(s), dict) and data[s].get("master_address") for s in sections):
         return []
-    return [f"realloc.master_address={plan.node(plan.trainer.nodes[node_rank]).addr}"]
+    return [f"weights.master_address={plan.node(plan.trainer.nodes[node_rank]).addr}"]
 
 
 def trainer_command(plan: Plan, node_rank: int, config_path: str, overrides: list[str], plan_path: Path) -> list[str]:

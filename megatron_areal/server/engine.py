@@ -15,7 +15,6 @@ from collections.abc import Callable, Collection
 import torch
 
 from megatron_areal.model.arch import ModelArch, load_arch
-from megatron_areal.realloc.group import WeightUpdateGroup
 from megatron_areal.server.attention import ForwardBatch
 from megatron_areal.server.config import EngineOptions
 from megatron_areal.server.kv_cache import KVCache
@@ -35,6 +34,7 @@ from megatron_areal.server.weights import (
     read_safetensors,
 )
 from megatron_areal.util.compute_dtype import runnable_dtype
+from megatron_areal.weights.wire import WeightUpdateGroup
 
 log = logging.getLogger(__name__)
 # While the model cannot step, an idle runner probes it this often, so /health recovers (after a
@@ -413,10 +413,10 @@ class Engine:
         self._install(tensors, version, complete=True)
         self.model_path = str(model_path)
 
-    def checksums(self, dtype: torch.dtype | None) -> dict[str, dict[str, object]]:
-        """Per-tensor checksums of the weights (in ``dtype`` if given), to compare with the trainer's."""
+    def checksums(self, dtype: torch.dtype | None, kind: str = "sha256") -> dict[str, dict[str, object]]:
+        """Per-tensor checksums of the weights (in ``dtype`` if given, of ``kind``), to compare with the trainer's."""
         with self._lock, one_thread():
-            return checksums(self.model, dtype)
+            return checksums(self.model, dtype, kind)
 
     # Weight-group methods run on the API's one weight thread, in arrival order (as SGLang's
     # scheduler runs them), so the session flag and ``groups`` need no lock of their own.

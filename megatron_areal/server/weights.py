@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load, load_file
 from torch import nn
 
+from megatron_areal.weights.wire import SLICE_SUM, format_sum, slice_sum
+
 # Reads that outlived their deadline keep a thread each, blocked in the kernel; past this many,
 # loads from disk are refused until one of them returns.
 MAX_BLOCKED_READS = 4
@@ -272,13 +274,14 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def checksums(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, dict[str, object]]:
-    """Per-tensor fingerprints, optionally after casting to ``dtype`` (to compare a bf16 folder)."""
+def checksums(model: nn.Module, dtype: torch.dtype | None = None, kind: str = "sha256") -> dict[str, dict[str, object]]:
+    """Per-tensor fingerprints, optionally after casting to ``dtype`` (to compare a bf16 folder): sha256, or
+    the weight push's additive checksum (``kind`` ``wire.SLICE_SUM``, which the trainer verifies a push with)."""
     out: dict[str, dict[str, object]] = {}
     for name, t in model.state_dict().items():
         t = t if dtype is None else t.to(dtype)
-        out[name] = {"sha256": tensor_checksum(t), "dtype": str(t.dtype).removeprefix("torch."),
-                     "shape": list(t.shape)}
+        fingerprint = format_sum(slice_sum(t)) if kind == SLICE_SUM else tensor_checksum(t)
+        out[name] = {kind: fingerprint, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     return out
 
 

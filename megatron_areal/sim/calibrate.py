@@ -31,6 +31,7 @@ from pathlib import Path
 from megatron_areal.rundir.layout import RunDir
 from megatron_areal.sim.costs import CostModel
 from megatron_areal.sim.engine import simulate
+from megatron_areal.sim.push import update_time
 from megatron_areal.sim.result import RunResult
 from megatron_areal.sim.scenario import Scenario
 from megatron_areal.sim.workload import LengthSampler
@@ -123,7 +124,7 @@ def _train_busy_rate(sc: Scenario, sim, tokens: float, sq: float) -> float:
     cost = CostModel(sc.model, sc.gpu, sim)
     t = cost.train_time(tokens, sq, sc.train_gpus, sc.train_tp, sc.train_pp, sc.n_minibatches,
                         sc.max_tokens_per_mb, ep=sc.train_ep, etp=sc.train_etp, gpus_per_node=sc.gpus_per_node)
-    return tokens / (t + cost.weight_update_time(sc.train_pp, sc.colocated))
+    return tokens / (t + update_time(sc.replace(sim=sim)))
 
 
 def _gen_busy_rate(sc: Scenario) -> float:
@@ -231,8 +232,7 @@ def calibrate(sc: Scenario, scalars: dict[str, list[float]]) -> Calibration:
         all_per_trained_token(scalars)  # in the simulator's unit: every token of the batch
     sim = sc.sim
     if "perf/weight_sync_s" in scalars:
-        bare = CostModel(sc.model, sc.gpu, dataclasses.replace(sim, update_overhead_s=0.0))
-        xfer = bare.weight_update_time(sc.train_pp, sc.colocated)
+        xfer = update_time(sc.replace(sim=dataclasses.replace(sim, update_overhead_s=0.0)))
         sync_s = statistics.fmean(scalars["perf/weight_sync_s"])
         sim = dataclasses.replace(sim, update_overhead_s=max(0.0, sync_s - xfer))
     tokens, sq = _batch_shape(sc, scalars)

@@ -1,7 +1,8 @@
 """``megatron-areal simulate CONFIG.yaml [key=value ...]``: predict a run before launching it.
 
 Reads the same config tree as ``megatron-areal train`` (plus its ``sim`` section) and prints the
-predicted time per step and per 1,000 steps, each side's utilisation, the staleness
+predicted time per step and per 1,000 steps, the weight push's seconds and share of a step
+(``sim/push.py``, both paths), each side's utilisation, the staleness
 distribution, and how the run compares with its synchronous baseline. ``--sweep`` recommends a
 split and eta; ``--plots DIR`` writes the scaling curve and timelines; ``--calibrate RUN_DIR``
 fits the free figures to a finished run's TensorBoard logs.
@@ -13,7 +14,7 @@ import logging
 from pathlib import Path
 
 from megatron_areal.config import ConfigError, load_config
-from megatron_areal.sim import report
+from megatron_areal.sim import push, report
 from megatron_areal.sim.calibrate import CalibrationError
 from megatron_areal.sim.engine import DeadlockError, simulate
 from megatron_areal.sim.scenario import ScenarioError, from_config
@@ -95,6 +96,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}")
         return 2
     print(report.describe(async_r))
+    print(push.describe(async_r.scenario, async_r.step_time))
     print(report.describe(sync_r))
     print(report.compare(async_r, sync_r))
     if args.sweep:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from megatron_areal.rollout.staleness import StalenessGate
 from megatron_areal.sim.costs import CostModel, decode_cost
+from megatron_areal.sim.push import update_time
 from megatron_areal.sim.result import TRAINER, RunResult
 from megatron_areal.sim.scenario import Scenario
 from megatron_areal.sim.server import Group, Request, SimServer
@@ -36,6 +37,8 @@ class Engine:
     def __init__(self, sc: Scenario, record_timeline: bool = False) -> None:
         self.sc = sc
         self.costs = CostModel(sc.model, sc.gpu, sc.sim)
+        # one weight update: the transfer plan's price on a GPU cluster (sim/push.py)
+        self.update_s = update_time(sc)
         self.timeline = Timeline(enabled=record_timeline)
         dec = decode_cost(sc.model, sc.gpu, sc.server_tp, sc.sim)
         kv = self.costs.kv_capacity_tokens(sc.server_tp, sc.mem_fraction)
@@ -77,7 +80,7 @@ class Engine:
         s.retract_if_full()
         if s.pending is not None and not s.running:  # drained: a non-interruptible update loads now
             start = max(s.clock, self.now)
-            s.load_weights(start, self.costs.weight_update_time(self.sc.train_pp, self.sc.colocated),
+            s.load_weights(start, self.update_s,
                            s.pending, interruptible=False)
         s.admit()
         self._schedule(s)
@@ -152,7 +155,7 @@ class Engine:
         """Push the new weights. Interruptible: every server pauses after its current step and
         receives them at once (one collective). Otherwise each server loads them once drained."""
         new = self.gate.version + 1
-        xfer = self.costs.weight_update_time(self.sc.train_pp, self.sc.colocated)
+        xfer = self.update_s
         if not self.sc.interruptible:
             self.timeline.add(TRAINER, self.now, self.now + xfer, "send")
             self._push(self.now + xfer, "update_done", new)

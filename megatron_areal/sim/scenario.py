@@ -42,6 +42,8 @@ class Scenario:
     train_etp: int = 1  # expert tensor parallel (MoE)
     gpus_per_node: int = 8  # decides which all-to-all peers are on NVLink
     discard_fraction: float = 0.0  # finished groups thrown away untrained (all-equal rewards filtered)
+    engine: str = "sglang"  # the rollout servers' kind: SGLang takes the stage heads' push, others shard to shard
+    push_bucket_bytes: int = 512 << 20  # weights.bucket_mb
 
     @property
     def gen_gpus(self) -> int:
@@ -122,7 +124,8 @@ def from_config(cfg: Config, *, mode: str = "config", gen_fraction: float | None
                     n_minibatches=cfg.ppo.n_minibatches, max_tokens_per_mb=cfg.parallel.max_tokens_per_mb,
                     mem_fraction=cfg.server.mem_fraction, colocated=colocated,
                     interruptible=sim.interruptible, train_ep=par.ep, train_etp=par.etp,
-                    gpus_per_node=cfg.cluster.gpus_per_node)
+                    gpus_per_node=cfg.cluster.gpus_per_node, engine=cfg.server.engine,
+                    push_bucket_bytes=cfg.weights.bucket_bytes)
 
 
 def _arch(path: str) -> tuple[str, ModelArch]:

@@ -14,6 +14,7 @@ import time
 import torch.distributed as dist
 
 from megatron_areal.config import Config
+from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.records import Trajectory
 from megatron_areal.run.control import StepControl
 from megatron_areal.rundir import timeline
@@ -26,13 +27,17 @@ from megatron_areal.trainer.run_timeline import TRAINER
 def run_trainer(cfg: Config, server_urls: list[str]) -> None:
     """One trainer rank's whole run: build the policy (and on rank 0 its duties), then per step take a batch,
     train, push the weights, checkpoint when due, and stop early when the run directory asks."""
-    early = evaluate_while_loading(cfg, server_urls)
+    # rank 0's one connection to the servers, shared by its rollouts, evaluation and the weight push
+    # (read from the environment: the process group does not exist yet)
+    fleet = open_fleet(cfg, server_urls) if os.environ.get("RANK", "0") == "0" else None
+    early = evaluate_while_loading(cfg, fleet)
     try:
         with timeline.activity(TRAINER, "loading model"):
-            policy = Policy.build(cfg, server_urls, fleet=early.fleet if early else None)
+            policy = Policy.build(cfg, server_urls, fleet)
     except BaseException:
-        if early:  # the fleet's close ends the evaluation's requests
-            early.fleet.close()
+        if fleet is not None:  # the fleet's close ends the evaluation's requests
+            fleet.close()
+        if early:
             early.close()
         raise
     rank0 = dist.get_rank() == 0
@@ -73,20 +78,21 @@ def run_trainer(cfg: Config, server_urls: list[str]) -> None:
         run_timeline.finish(policy.run_dir)
 
 
-def evaluate_while_loading(cfg: Config, server_urls: list[str]) -> Rank0Duties | None:
-    """On rank 0 of a fresh run: rank 0's duties built before the model, with the starting policy's held-out
-    evaluation under way on the servers, which would otherwise idle while the trainer loads the model (a
-    resumed run's servers get its weights first, so it evaluates after loading, as before). None elsewhere."""
+def evaluate_while_loading(cfg: Config, fleet: Fleet | None) -> Rank0Duties | None:
+    """On rank 0 of a fresh run (the one holding ``fleet``): rank 0's duties built before the model, with the
+    starting policy's held-out evaluation under way on the servers, which would otherwise idle while the
+    trainer loads the model (a resumed run's servers get its weights first, so it evaluates after loading,
+    as before). None elsewhere."""
     from megatron_areal.checkpoint.training import list_checkpoints
     from megatron_areal.model.assets import resolve_model
     from megatron_areal.rundir.layout import RunDir
 
-    if os.environ.get("RANK", "0") != "0":  # the process group does not exist yet
+    if fleet is None:
         return None
     if cfg.checkpoint.resume and list_checkpoints(RunDir.of(cfg).checkpoints):
         return None
     with timeline.activity(TRAINER, "preparing rollouts"):
-        duties = Rank0Duties.build(cfg, resolve_model(cfg.model.path), open_fleet(cfg, server_urls), None, 0, 0, None)
+        duties = Rank0Duties.build(cfg, resolve_model(cfg.model.path), fleet, None, 0, 0, None)
     duties.evaluate_start(0)
     return duties
 

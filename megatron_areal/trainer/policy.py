@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from megatron_areal.config import Config
+from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.records import Trajectory
-from megatron_areal.rollout.fleet import Fleet
 from megatron_areal.run.control import ask_to_resume
 from megatron_areal.rundir.layout import RunDir
 from megatron_areal.util.heap import release_freed_memory
@@ -25,7 +25,7 @@ from megatron_areal.util.heap import release_freed_memory
 if TYPE_CHECKING:
     from megatron_areal.actor.actor import Actor
     from megatron_areal.checkpoint.training import Checkpointer
-    from megatron_areal.realloc.sync import SyncResult, WeightSync
+    from megatron_areal.weights.push import SyncResult, WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ RolloutState = Callable[[], "dict[str, Any] | None"]  # rank 0's controller stat
 def open_fleet(cfg: Config, server_urls: list[str]) -> Fleet:
     """Rank 0's connections to the rollout servers, shared by rollouts, evaluation and the weight push."""
     return Fleet(server_urls, api_key=cfg.server.api_key, request_timeout_s=cfg.rollout.request_timeout_s,
-                 control_timeout_s=cfg.realloc.timeout_s, engine=cfg.server.engine)
+                 control_timeout_s=cfg.weights.timeout_s, engine=cfg.server.engine)
 
 
 @dataclass
@@ -55,17 +55,17 @@ class Policy:
     saved_step: int = 0
 
     @classmethod
-    def build(cls, cfg: Config, server_urls: list[str], fleet: Fleet | None = None) -> Policy:
+    def build(cls, cfg: Config, server_urls: list[str], fleet: Fleet | None) -> Policy:
         """Process groups, the actor with the HF weights, the newest checkpoint (when resuming) and the
         weight push; servers get the resumed weights before the first rollout. Rank 0 pushes through
-        ``fleet`` when given (opened earlier, see ``loop.evaluate_while_loading``), else its own."""
+        ``fleet``, the one its rollouts and evaluation use (``loop.run_trainer`` opens it); None elsewhere."""
         from megatron_areal.actor.actor import Actor
         from megatron_areal.actor.parallel import init_parallel
         from megatron_areal.checkpoint.training import Checkpointer
         from megatron_areal.model.arch import load_arch
         from megatron_areal.model.assets import resolve_model
         from megatron_areal.model.weights import load_hf_weights
-        from megatron_areal.realloc.sync import WeightSync
+        from megatron_areal.weights.push import WeightSync
 
         groups = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, backend=cfg.parallel.backend,
                                ep=cfg.parallel.ep, etp=cfg.parallel.etp)
@@ -84,9 +84,7 @@ class Policy:
         if latest is not None:
             step, extra = checkpoints.load(latest, actor.model, actor.optimizer, actor.scheduler)
         version = int(extra.get("version", 0))
-        if dist.get_rank() == 0 and fleet is None:
-            fleet = open_fleet(cfg, server_urls)
-        weights = WeightSync(actor.model, arch, groups, server_urls, config=cfg.realloc, server_tp=cfg.server.tp,
+        weights = WeightSync(actor.model, arch, groups, server_urls, config=cfg.weights, server_tp=cfg.server.tp,
                              api_key=cfg.server.api_key, template_dir=hf_dir, fleet=fleet, engine=cfg.server.engine)
         if version > 0:  # the servers started from the base model: give them the resumed policy first
             weights.sync(version)
@@ -108,7 +106,7 @@ class Policy:
         """Push the trained weights as ``version + 1`` and advance. A failed push saves the trained
         step first (it is sound; only the push failed); one lost over NCCL also asks the Slurm
         batch step to requeue the job."""
-        from megatron_areal.realloc.sync import TransferLost, WeightSyncError
+        from megatron_areal.weights.push import TransferLost, WeightSyncError
 
         try:
             sync = self.weights.sync(self.version + 1)

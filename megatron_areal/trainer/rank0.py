@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from megatron_areal.data.prompt import Prompt
-    from megatron_areal.realloc.sync import SyncResult, WeightSync
+    from megatron_areal.fleet.fleet import Fleet
     from megatron_areal.reward import RewardService
     from megatron_areal.rollout.controller import RolloutController
-    from megatron_areal.rollout.fleet import Fleet
     from megatron_areal.rundir.metrics import MetricsWriter
+    from megatron_areal.weights.push import SyncResult, WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -262,4 +262,6 @@ def step_metrics(stats: dict[str, float], rollout: dict[str, float], times: Step
         "perf/batch_wait_s": wait_s,
         "perf/trainer_idle_fraction": wait_s / max(step_s, 1e-9),
     })
+    if sync.verified_tensors is not None:  # weights.verify: the (server, tensor) checksums that agreed
+        out["weights/verified_tensors"] = float(sync.verified_tensors)
     return out

@@ -1,7 +1,7 @@
 """The project's vLLM plugin: weight-transfer engines that join the trainer's weight-update group.
 
 vLLM's built-in weight-transfer engines are CUDA-only (NCCL, CUDA IPC), and its ``nccl`` engine forms its
-group with a rendezvous of its own, which the trainer's push (``realloc/``, the same one SGLang and the
+group with a rendezvous of its own, which the trainer's push (``weights/``, the same one SGLang and the
 embedded server join) does not speak. vLLM runs the functions of the ``vllm.general_plugins`` entry-point
 group (``setup.py``) in each of its processes; ``register`` adds ``group_engine``'s engines to vLLM's
 engine registry under the names of ``ENGINES``, so a server started with ``--weight-transfer-config

@@ -1,7 +1,7 @@
 """``GroupWeightTransferEngine``: the receiving side of the trainer's weight push inside a vLLM worker.
 
 It joins the trainer's weight-update group exactly as the embedded server and SGLang do
-(``realloc/group.join_group``: the trainer is rank 0 and hosts the store, this worker is rank
+(``weights/wire.join_group``: the trainer is rank 0 and hosts the store, this worker is rank
 ``rank_offset + its rank in the server``) over gloo on CPU (``GlooWeightTransferEngine``) or NCCL on
 GPUs (``NcclWeightTransferEngine``: vLLM's own ``nccl`` engine forms its group with a rendezvous of its
 own and cannot join the trainer's), receives each announced bucket by broadcast from rank 0 into
@@ -10,7 +10,7 @@ layerwise-reload lifecycle (CPU linear layers may repack their weights after loa
 ``load_weights`` would leave the repacked copies stale).
 
 Update info: ``names``, ``dtypes`` (torch attribute names), ``shapes``, and ``flattened``: one uint8
-broadcast holding the tensors back to back without padding (``realloc/buckets.py``) instead of one
+broadcast holding the tensors back to back without padding (``weights/buckets.py``) instead of one
 broadcast per tensor.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megatron_areal.realloc.group import join_group
+from megatron_areal.weights.wire import join_group
 
 log = logging.getLogger(__name__)
 

@@ -1,16 +1,14 @@
 """``VLLMClient``: the rollout client's interface spoken to a vLLM server (0.32, started by ``launch/vllm.py``).
 
 The fleet, the rollout requests and the weight push call the same methods as on ``RolloutClient``;
-this class maps them onto vLLM's routes (served with ``VLLM_SERVER_DEV_MODE=1``):
+this class maps them onto vLLM's routes (served with ``VLLM_SERVER_DEV_MODE=1``; the weight-transfer
+routes are the weight path's, ``weights/endpoints.py``):
 
 | interface                               | vLLM                                                        |
 |-----------------------------------------|-------------------------------------------------------------|
 | ``generate``                            | ``POST /inference/v1/generate`` (token ids in and out)      |
 | ``pause(mode)`` / ``resume``            | ``POST /pause?mode=abort|keep`` / ``POST /resume``          |
 | ``abort`` / ``abort_all``               | ``POST /abort_requests``                                    |
-| ``init_weights_update_group``           | ``POST /init_weight_transfer_engine`` (replaces the group)  |
-| ``begin_weight_update`` / ``end_...``   | ``POST /start_weight_update`` / ``/finish_weight_update``   |
-| ``update_weights_from_distributed``     | ``POST /update_weights``                                    |
 | ``weight_version``                      | ``GET /weight_info``                                        |
 
 Per-token versions are vLLM's own: its engine core labels each step's output with the weight
@@ -23,11 +21,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from megatron_areal.rollout.client import GenerateResult, RolloutClient, ServerError
+from megatron_areal.fleet.client import GenerateResult, RolloutClient, ServerError
 
 log = logging.getLogger(__name__)
 
-# The project's pause modes (realloc.pause_mode) as vLLM's: "retract" keeps the requests inside the
+# The project's pause modes (weights.pause_mode) as vLLM's: "retract" keeps the requests inside the
 # server, which on vLLM is "keep" (frozen with their KV cache, continued under the new weights).
 PAUSE_MODES = {"abort": "abort", "retract": "keep", "keep": "keep"}
 
@@ -134,7 +132,7 @@ class VLLMClient(RolloutClient):
         body: dict[str, Any] = {"token_ids": list(input_ids), "sampling_params": params, "stream": False}
         if rid is not None:
             body["request_id"] = rid
-        reply = await self._request("POST", endpoint, body, timeout_s=self.timeout_s)
+        reply = await self.request("POST", endpoint, body, timeout_s=self.timeout_s)
         try:
             return results_from_reply(reply)
         except (ValueError, KeyError, TypeError) as e:
@@ -146,23 +144,23 @@ class VLLMClient(RolloutClient):
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {sorted(PAUSE_MODES)}")
         await self.require_ours("/pause")  # the first call of every weight push
-        await self._request("POST", f"/pause?mode={PAUSE_MODES[mode]}", {})
+        await self.request("POST", f"/pause?mode={PAUSE_MODES[mode]}", {})
 
     async def resume(self) -> None:
         """``/resume``."""
-        await self._request("POST", "/resume", {})
+        await self.request("POST", "/resume", {})
 
     async def abort_all(self) -> None:
         """Abort every request the server tracks."""
-        await self._request("POST", "/abort_requests", {})
+        await self.request("POST", "/abort_requests", {})
 
     async def abort(self, rid: str) -> None:
         """Abort the request the caller sent as ``rid``."""
-        await self._request("POST", "/abort_requests", {"request_ids": [REQUEST_ID_PREFIX + rid]})
+        await self.request("POST", "/abort_requests", {"request_ids": [REQUEST_ID_PREFIX + rid]})
 
     async def flush_cache(self) -> None:
         """``/reset_prefix_cache`` (servers start without prefix caching: ``launch/vllm.py``)."""
-        await self._request("POST", "/reset_prefix_cache", {})
+        await self.request("POST", "/reset_prefix_cache", {})
 
     async def alive(self, timeout_s: float = 5.0) -> bool:
         """``/health`` (vLLM's does not generate: it answers while paused and during updates)."""
@@ -174,58 +172,12 @@ class VLLMClient(RolloutClient):
 
     async def weight_version(self) -> str:
         """``/weight_info``: ``"default"`` until the first update names one."""
-        reply = await self._request("GET", "/weight_info")
+        reply = await self.request("GET", "/weight_info")
         return str(reply["weight_version"])
 
     async def model_info(self) -> dict[str, Any]:
         """``/v1/models``' first model, with the weight version added."""
-        models = await self._request("GET", "/v1/models")
+        models = await self.request("GET", "/v1/models")
         info = dict(models["data"][0]) if models.get("data") else {}
         info["weight_version"] = await self.weight_version()
         return info
-
-    # ---- weights -------------------------------------------------------------------------
-    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "gloo") -> None:
-        """``/init_weight_transfer_engine``; the engine's backend was fixed at launch (``launch/vllm.py``)."""
-        await self._control("/init_weight_transfer_engine", {"init_info": {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "timeout_s": self.control_timeout_s}})
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        """Nothing over HTTP: vLLM refuses ``/shutdown_weight_transfer_engine`` inside a weight-update
-        session (and its engine core dies of the refusal), and the weight push re-forms groups inside
-        sessions (a server joining, the membership changing). The trainer closes its end; the server's
-        engine replaces its group at the next ``/init_weight_transfer_engine`` (``vllm_plugin/group_engine``)."""
-        log.debug("%s: weight group %s left to be replaced at the next init", self.url, group_name)
-
-    async def begin_weight_update(self) -> None:
-        """``/start_weight_update``."""
-        await self._control("/start_weight_update", {})
-
-    async def end_weight_update(self) -> None:
-        """``/finish_weight_update``."""
-        await self._control("/finish_weight_update", {})
-
-    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
-                                              shapes: list[list[int]], weight_version: str | None = None,
-                                              group_name: str = "weight_update_group",
-                                              flattened_bucket: bool = False, flush_cache: bool = True,
-                                              timeout_s: float | None = None) -> None:
-        """``/update_weights`` with one bucket; the caller broadcasts it while this call is pending. Then
-        ``/update_weight_version``: the server is paused (the weight push pauses it first), so no token is
-        generated between the label and the weights it names; each pipeline stage's head labels its own
-        buckets, so no call needs to know which bucket is the last."""
-        await self._control("/update_weights", {"update_info": {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "flattened": flattened_bucket,
-            "group_name": group_name}}, timeout_s=timeout_s)
-        if weight_version is not None:
-            await self._control("/update_weight_version", {"new_version": str(weight_version)})
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       timeout_s: float | None = None) -> None:
-        """Not offered: vLLM 0.32 has no public route that loads a new checkpoint folder into a running
-        server (use ``realloc.method: distributed``)."""
-        raise ServerError(self.url, "/update_weights_from_disk", "the vLLM backend takes weights only through "
-                          "its weight-transfer engine (realloc.method: distributed)", status=400)

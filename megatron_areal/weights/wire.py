@@ -15,6 +15,7 @@ under its own name with identity rank mapping, as SGLang does. Servers join with
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from datetime import timedelta
 
@@ -24,6 +25,7 @@ from torch.distributed import distributed_c10d as c10d
 
 log = logging.getLogger(__name__)
 _create_lock = threading.Lock()  # torch's group registry (_world) is a process-wide dict
+_joining: set[str] = set()  # group names being joined now (under _create_lock)
 
 
 class WeightUpdateGroup:
@@ -99,11 +101,20 @@ def join_group(master_address: str, master_port: int, *, rank: int, world_size: 
     store = dist.PrefixStore(group_name, rendezvous_store(master_address, master_port, rank=rank,
                                                           world_size=world_size, timeout=timeout))
     with _create_lock:
-        if group_name in c10d._world.pg_names.values():  # torch would say the same, less clearly
+        if group_name in c10d._world.pg_names.values() or group_name in _joining:
             raise ValueError(f"weight update group {group_name!r} already exists in this process")
+        _joining.add(group_name)
+    # Not under the lock: the backend connects to every member here, and a member may be joining
+    # another group first (two stages' groups at once); holding a process-wide lock through the
+    # connect would make this process wait for it while it waits for us.
+    try:
         pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
                                                group_name=group_name, backend_options=None, timeout=timeout)
-        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        with _create_lock:
+            c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    finally:
+        with _create_lock:
+            _joining.discard(group_name)
     return pg
 
 
@@ -117,3 +128,57 @@ def rendezvous_store(master_address: str, master_port: int, *, rank: int, world_
     """
     return dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
                          multi_tenant=True)
+
+
+# ---- per-tensor checksums after a push ---------------------------------------------------------------
+# A server answers ``GET CHECKSUM_ROUTE?kind=SLICE_SUM`` with ``{"weight_version", "checksums": {hf_name:
+# {"slice_sum": hex, "dtype": its dtype, ...}}}`` for every tensor it holds, in the dtype it holds it. The
+# checksum is a sum over the tensor's 16-bit lanes (bytes, for 1-byte dtypes) of ``lane * w(i) mod P`` with
+# ``w`` a weight of the lane's flat index ``i`` in the whole tensor: a sum, so the trainer adds the parts of
+# the slices its ranks hold (``slice_sum``) without gathering a tensor, and a weighted one, so a changed,
+# moved or swapped lane changes it (one changed lane always: P is prime and above every lane's value). Two
+# weights, linear and quadratic in ``i + 1``, give a 62-bit value.
+CHECKSUM_ROUTE = "/weights_checksum"
+SLICE_SUM = "slice_sum"
+_P = (1 << 31) - 1
+_MULTIPLIERS = (48_271, 1_583_458_089)  # primitive roots of P: w1 = m1 (i + 1), w2 = m2 (i + 1)^2, mod P
+_CHUNK_LANES = 1 << 22  # bounds the int64 index tensors made per step (32 MiB each)
+
+
+def slice_sum(part: torch.Tensor, shape: tuple[int, ...] | torch.Size | None = None, dim: int = 0,
+              start: int = 0) -> tuple[int, int]:
+    """The checksum's two sums over ``part``, which is ``whole.narrow(dim, start, part.shape[dim])`` of a
+    tensor of ``shape`` (the whole tensor itself when ``shape`` is None). Computed on ``part``'s device."""
+    shape = tuple(part.shape if shape is None else shape)
+    if not shape:  # a scalar is a tensor of one element
+        part, shape = part.reshape(1), (1,)
+    if part.numel() == 0:
+        return 0, 0
+    outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+    size = part.element_size()
+    lanes_per, lane_dtype = (size // 2, torch.int16) if size % 2 == 0 else (size, torch.uint8)
+    step = max(1, _CHUNK_LANES // max(1, outer * inner * lanes_per))
+    dev = part.device
+    sums = [0, 0]
+    for j in range(0, part.shape[dim], step):
+        sub = part.narrow(dim, j, min(step, part.shape[dim] - j)).contiguous()
+        lanes = sub.reshape(-1).view(lane_dtype).to(torch.int64) & (0xFFFF if lane_dtype == torch.int16 else 0xFF)
+        rows = start + j + torch.arange(sub.shape[dim], device=dev)
+        elem = ((torch.arange(outer, device=dev).view(-1, 1, 1) * shape[dim] + rows.view(1, -1, 1)) * inner
+                + torch.arange(inner, device=dev).view(1, 1, -1)).reshape(-1, 1)
+        index = (elem * lanes_per + torch.arange(lanes_per, device=dev).view(1, -1)).reshape(-1)
+        position = (index + 1) % _P
+        weights = (position, (position * position) % _P)  # < 2**62: no int64 overflow
+        for k, (w, m) in enumerate(zip(weights, _MULTIPLIERS, strict=True)):
+            sums[k] = (sums[k] + int(((lanes * ((w * m) % _P)) % _P).sum())) % _P
+    return sums[0], sums[1]
+
+
+def add_sums(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The sums of two disjoint parts of one tensor, combined."""
+    return (a[0] + b[0]) % _P, (a[1] + b[1]) % _P
+
+
+def format_sum(sums: tuple[int, int]) -> str:
+    """The checksum as servers report it: 16 hex digits."""
+    return f"{sums[0]:08x}{sums[1]:08x}"

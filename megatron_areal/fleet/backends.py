@@ -6,8 +6,8 @@ the rollout requests, the weight push) is the same for all of them.
 """
 from __future__ import annotations
 
-from megatron_areal.rollout.client import RolloutClient
-from megatron_areal.rollout.vllm_client import VLLMClient
+from megatron_areal.fleet.client import RolloutClient
+from megatron_areal.fleet.vllm_client import VLLMClient
 
 CLIENTS: dict[str, type[RolloutClient]] = {"embedded": RolloutClient, "sglang": RolloutClient, "vllm": VLLMClient}
 

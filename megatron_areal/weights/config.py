@@ -8,7 +8,7 @@ from megatron_areal.configbase import require
 
 
 @dataclass(kw_only=True)
-class ReallocConfig:
+class WeightsConfig:
     """The weight push from the trainer to the servers: over a weight-update group or through a shared disk,
     bucket size, timeouts and retries."""
 
@@ -23,6 +23,10 @@ class ReallocConfig:
     # /pause_generation mode: "abort" returns partial outputs (the controller resumes them),
     # "retract" re-queues them inside the server under the new weights
     pause_mode: Literal["abort", "retract"] = "abort"
+    # after every push, every server's checksum of every tensor it installed is compared with the trainer's
+    # (weights/verify.py); a mismatch stops the run naming the tensor, the server and the version. Embedded
+    # and vLLM servers (on vLLM's CPU build only the embedding, norms and output layer); refused for SGLang
+    verify: bool = False
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""

@@ -19,9 +19,9 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from megatron_areal.rollout.backends import client_class
-from megatron_areal.rollout.client import RolloutClient
-from megatron_areal.rollout.routing import ServerPool
+from megatron_areal.fleet.backends import client_class
+from megatron_areal.fleet.client import RolloutClient
+from megatron_areal.fleet.routing import ServerPool
 
 T = TypeVar("T")
 

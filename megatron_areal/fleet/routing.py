@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from megatron_areal.rollout.client import RolloutClient
-from megatron_areal.rollout.wakeup import Signal
+from megatron_areal.fleet.client import RolloutClient
+from megatron_areal.fleet.wakeup import Signal
 from megatron_areal.rundir import timeline
 
 log = logging.getLogger(__name__)

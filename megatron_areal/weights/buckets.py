@@ -19,7 +19,7 @@ import torch
 
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.realloc.gather import stage_hf_tensors
+from megatron_areal.weights.gather import stage_hf_tensors
 
 
 @dataclass

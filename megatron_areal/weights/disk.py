@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.hf_io import INDEX, copy_non_weights
-from megatron_areal.realloc.gather import is_stage_head, stage_hf_tensors
+from megatron_areal.weights.gather import is_stage_head, stage_hf_tensors
 
 log = logging.getLogger(__name__)
 

@@ -156,7 +156,7 @@ class RolloutClient:
         await self.close()
 
     # ---- HTTP plumbing -------------------------------------------------------------------
-    async def _request(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
+    async def request(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
                        timeout_s: float | None = None, ok404: bool = False) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.control_timeout_s)
         try:
@@ -177,10 +177,10 @@ class RolloutClient:
         except aiohttp.ClientError as e:
             raise ServerError(self.url, endpoint, f"{type(e).__name__}: {e}") from None
 
-    async def _control(self, endpoint: str, body: dict[str, Any] | None = None,
+    async def control(self, endpoint: str, body: dict[str, Any] | None = None,
                        timeout_s: float | None = None) -> dict[str, Any]:
         """POST a control call; a ``success: false`` reply is raised as an error."""
-        reply = await self._request("POST", endpoint, body or {}, timeout_s)
+        reply = await self.request("POST", endpoint, body or {}, timeout_s)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise ServerError(self.url, endpoint, str(reply.get("message", "refused")))
         return reply if isinstance(reply, dict) else {"message": reply}
@@ -199,7 +199,7 @@ class RolloutClient:
         if return_routed_experts:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routed_experts_start_len
-        reply = await self._request("POST", "/generate", body, timeout_s=self.timeout_s)
+        reply = await self.request("POST", "/generate", body, timeout_s=self.timeout_s)
         if not isinstance(reply, dict):
             raise ServerError(self.url, "/generate", f"expected one JSON object, got {str(reply)[:200]}")
         try:
@@ -216,27 +216,27 @@ class RolloutClient:
         every weight push: the server must prove it is still this run's (``require_ours``)."""
         await self.require_ours("/pause_generation")
         try:
-            await self._request("POST", "/pause_generation", {"mode": mode})
+            await self.request("POST", "/pause_generation", {"mode": mode})
         except ServerError as e:
             if e.status not in (400, 422) or mode != "abort":
                 raise
-            await self._request("POST", "/pause_generation")  # 0.5.2: no body, always aborts
+            await self.request("POST", "/pause_generation")  # 0.5.2: no body, always aborts
 
     async def resume(self) -> None:
         """``/continue_generation``."""
-        await self._request("POST", "/continue_generation", {})
+        await self.request("POST", "/continue_generation", {})
 
     async def abort_all(self) -> None:
         """Abort every request on the server (``/abort_request`` with ``abort_all``)."""
-        await self._request("POST", "/abort_request", {"abort_all": True})
+        await self.request("POST", "/abort_request", {"abort_all": True})
 
     async def abort(self, rid: str) -> None:
         """Abort the request ``rid``."""
-        await self._request("POST", "/abort_request", {"rid": rid})
+        await self.request("POST", "/abort_request", {"rid": rid})
 
     async def flush_cache(self) -> None:
         """``/flush_cache``: drop the server's prefix cache."""
-        await self._request("POST", "/flush_cache")
+        await self.request("POST", "/flush_cache")
 
     async def is_ours(self, timeout_s: float = 5.0) -> bool:
         """Whether the server proves it holds this run's nonce (``util/run_identity.py``); True outside a launched run.
@@ -270,7 +270,7 @@ class RolloutClient:
         if not await self.is_ours(timeout_s):
             return False
         try:
-            await self._request("GET", "/model_info", timeout_s=timeout_s)
+            await self.request("GET", "/model_info", timeout_s=timeout_s)
             return True
         except ServerError:
             return False
@@ -281,16 +281,16 @@ class RolloutClient:
         if not await self.is_ours(timeout_s):
             return False
         try:
-            await self._request("GET", "/health", timeout_s=timeout_s)
+            await self.request("GET", "/health", timeout_s=timeout_s)
             return True
         except ServerError:
             return False
 
     async def load(self) -> int:
         """Running + waiting requests, for least-loaded routing."""
-        reply = await self._request("GET", "/v1/loads", ok404=True)
+        reply = await self.request("GET", "/v1/loads", ok404=True)
         if reply is None:
-            reply = await self._request("GET", "/get_load")
+            reply = await self.request("GET", "/get_load")
             items = reply if isinstance(reply, list) else [reply]
             return sum(int(x.get("num_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in items)
         return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
@@ -298,56 +298,12 @@ class RolloutClient:
 
     async def weight_version(self) -> str:
         """The weight version the server holds (``/get_weight_version``, else ``/model_info``)."""
-        reply = await self._request("GET", "/get_weight_version", ok404=True)
+        reply = await self.request("GET", "/get_weight_version", ok404=True)
         if reply is None:
-            reply = await self._request("GET", "/model_info")
+            reply = await self.request("GET", "/model_info")
         return str(reply["weight_version"])
 
     async def model_info(self) -> dict[str, Any]:
         """``/model_info`` (``/get_model_info`` on older SGLang)."""
-        reply = await self._request("GET", "/model_info", ok404=True)
-        return reply if reply is not None else await self._request("GET", "/get_model_info")
-
-    # ---- weights -------------------------------------------------------------------------
-    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "gloo") -> None:
-        """Ask the server to join the trainer's weight-update group (the trainer joins at the same time)."""
-        await self._control("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        """Ask the server to leave a weight-update group."""
-        await self._control("/destroy_weights_update_group", {"group_name": group_name})
-
-    async def begin_weight_update(self) -> None:
-        """Open a weight-update session (SGLang 0.5.23; a no-op where the route does not exist)."""
-        await self._request("POST", "/begin_weight_update", {"selector": "all"}, ok404=True)
-
-    async def end_weight_update(self) -> None:
-        """Close the weight-update session."""
-        await self._request("POST", "/end_weight_update", {}, ok404=True)
-
-    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
-                                              shapes: list[list[int]], weight_version: str | None = None,
-                                              group_name: str = "weight_update_group",
-                                              flattened_bucket: bool = False, flush_cache: bool = True,
-                                              timeout_s: float | None = None) -> None:
-        """Announce one bucket; the caller broadcasts the tensors while this call is pending.
-
-        Wrap a sequence of buckets in ``begin_weight_update()`` / ``end_weight_update()``.
-        """
-        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                                "group_name": group_name, "flush_cache": flush_cache,
-                                "weight_version": weight_version}
-        if flattened_bucket:
-            body["load_format"] = "flattened_bucket"
-        await self._control("/update_weights_from_distributed", body, timeout_s=timeout_s)
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       timeout_s: float | None = None) -> None:
-        """Load the whole model from a folder on a filesystem the server reads."""
-        await self._control("/update_weights_from_disk", {
-            "model_path": model_path, "weight_version": weight_version, "flush_cache": True},
-            timeout_s=timeout_s)
+        reply = await self.request("GET", "/model_info", ok404=True)
+        return reply if reply is not None else await self.request("GET", "/get_model_info")

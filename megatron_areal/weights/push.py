@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.actor.parallel import ParallelGroups
+from megatron_areal.fleet.fleet import Fleet, normalize_url
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.realloc.buckets import Bucket, hf_buckets
-from megatron_areal.realloc.config import ReallocConfig
-from megatron_areal.realloc.disk import prune_versions, write_hf_folder
-from megatron_areal.realloc.gather import check_head_holds_first_experts, is_stage_head, takes_part
-from megatron_areal.realloc.link import Pending, StageLink
-from megatron_areal.rollout.fleet import Fleet, normalize_url
+from megatron_areal.weights.buckets import Bucket, hf_buckets
+from megatron_areal.weights.config import WeightsConfig
+from megatron_areal.weights.disk import prune_versions, write_hf_folder
+from megatron_areal.weights.endpoints import weight_calls
+from megatron_areal.weights.gather import check_head_holds_first_experts, is_stage_head, takes_part
+from megatron_areal.weights.link import Pending, StageLink
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class SyncResult:
     gather_seconds: float = 0.0
     broadcast_seconds: float = 0.0
     reply_seconds: float = 0.0
+    verified_tensors: int | None = None  # (server, tensor) checksums that agreed; None: weights.verify is off
 
 
 @dataclass
@@ -101,7 +103,7 @@ class WeightSync:
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups,
-                 servers: Sequence[str], *, config: ReallocConfig | None = None, server_tp: int = 1,
+                 servers: Sequence[str], *, config: WeightsConfig | None = None, server_tp: int = 1,
                  api_key: str | None = None, template_dir: str | Path | None = None,
                  control_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
                  on_bucket: Callable[[int, Bucket], None] | None = None,
@@ -109,10 +111,10 @@ class WeightSync:
                  on_join: Callable[[str], None] | None = None, fleet: Fleet | None = None,
                  engine: str | None = None) -> None:
         self.chunks, self.arch, self.groups = list(chunks), arch, groups
-        self.config = config or ReallocConfig()
+        self.config = config or WeightsConfig()
         self.config.validate()
         if self.config.method == "disk" and template_dir is None:
-            raise ValueError("realloc.method=disk needs the model folder the servers started from (template_dir) "
+            raise ValueError("weights.method=disk needs the model folder the servers started from (template_dir) "
                              "for the config and tokenizer files")
         self.server_tp, self.dtype, self.on_bucket = server_tp, dtype, on_bucket
         self.on_drop = on_drop  # rank 0: told (url, reason) of every server dropped, e.g. to stop routing to it
@@ -144,18 +146,26 @@ class WeightSync:
         dropped = self._drop_restarted()
         dropped.update(self._pause(list(self.servers)))
         outcome = self._push_until_done(version, dropped)
+        verified = self._verify(version) if self.config.verify and self.config.method == "distributed" else None
         self._resume(list(self.servers))
         self.version = version
         self.readmit()
         result = SyncResult(version=version, seconds=time.monotonic() - start, bytes_sent=outcome.bytes_sent,
                             buckets=outcome.buckets, max_bucket_bytes=outcome.max_bucket_bytes,
                             servers=list(self.servers), dropped=dropped, gather_seconds=outcome.gather_seconds,
-                            broadcast_seconds=outcome.broadcast_seconds, reply_seconds=outcome.reply_seconds)
+                            broadcast_seconds=outcome.broadcast_seconds, reply_seconds=outcome.reply_seconds,
+                            verified_tensors=verified)
         if self.rank0:
             log.info("weights v%s on %d servers in %.2fs (%.1f MB, %d buckets)%s", version, len(self.servers),
                      result.seconds, result.bytes_sent / 1e6, result.buckets,
                      f"; dropped {', '.join(dropped)}" if dropped else "")
         return result
+
+    def _verify(self, version: str) -> int:
+        """Collective: the servers' checksums against the trainer's (``verify.verify_push``); a mismatch raises."""
+        from megatron_areal.weights.verify import verify_push
+
+        return verify_push(self, version)
 
     def add_server(self, url: str, tp: int | None = None) -> None:
         """Collective: give a server that joined late the current weights, then make it a member.
@@ -227,13 +237,13 @@ class WeightSync:
             mode = self.config.pause_mode
             errors = self.fleet.each(urls, lambda c: c.pause(mode))
             alive = [u for u in urls if u not in errors]
-            errors.update(self.fleet.each(alive, lambda c: c.begin_weight_update()))
+            errors.update(self.fleet.each(alive, lambda c: weight_calls(c).begin_weight_update()))
         return self._drop_dead(errors)
 
     def _resume(self, urls: list[str]) -> None:
         if self.rank0 and urls:
             assert self.fleet is not None
-            failed = self.fleet.each(urls, lambda c: c.end_weight_update())
+            failed = self.fleet.each(urls, lambda c: weight_calls(c).end_weight_update())
             failed.update(self.fleet.each(urls, lambda c: c.resume()))
             for message in failed.values():  # a server lost here is found by the next sync's pause
                 log.error("continuing generation failed: %s", message)
@@ -395,7 +405,7 @@ class WeightSync:
         local = _Outcome()
         if self.rank0:
             assert self.fleet is not None
-            local.errors = self.fleet.each(urls, lambda c: c.update_weights_from_disk(
+            local.errors = self.fleet.each(urls, lambda c: weight_calls(c).update_weights_from_disk(
                 str(folder), weight_version=version, timeout_s=self.config.timeout_s))
             local.bytes_sent = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
             local.buckets = len(list(folder.glob("*.safetensors")))

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_areal.realloc.buckets import Bucket
-from megatron_areal.realloc.group import WeightUpdateGroup
-from megatron_areal.rollout.fleet import Fleet, wait_all
+from megatron_areal.fleet.fleet import Fleet, wait_all
 from megatron_areal.util.netutil import free_port
+from megatron_areal.weights.buckets import Bucket
+from megatron_areal.weights.endpoints import weight_calls
+from megatron_areal.weights.wire import WeightUpdateGroup
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class StageLink:
             members.append(Member(url, tp, offset))
             offset += tp
         self.members, self.world_size = members, offset
-        self.group_name = f"realloc-stage{stage}-gen{generation}"
+        self.group_name = f"weights-stage{stage}-gen{generation}"
         self.master_address, self.backend, self.device = master_address, backend, device
         self.group: WeightUpdateGroup | None = None
 
@@ -62,7 +63,7 @@ class StageLink:
     def form(self) -> dict[str, str]:
         """Rendezvous with every server; returns {url: error} of servers that failed to join."""
         port = free_port(self.master_address)  # a fresh port per group: no stale keys
-        futures = {m.url: self.fleet.submit(m.url, lambda c, m=m: c.init_weights_update_group(
+        futures = {m.url: self.fleet.submit(m.url, lambda c, m=m: weight_calls(c).init_weights_update_group(
             master_address=self.master_address, master_port=port, rank_offset=m.rank_offset,
             world_size=self.world_size, group_name=self.group_name, backend=self.backend))
             for m in self.members}
@@ -87,7 +88,7 @@ class StageLink:
         """
         assert self.group is not None, "post() before form()"
         meta = bucket.meta()
-        futures = {url: self.fleet.submit(url, lambda c: c.update_weights_from_distributed(
+        futures = {url: self.fleet.submit(url, lambda c: weight_calls(c).update_weights_from_distributed(
             **meta, weight_version=version, group_name=self.group_name, flattened_bucket=bucket.flat,
             timeout_s=self.timeout_s * (len(bucket.payload) + 1))) for url in self.urls}
         try:
@@ -128,7 +129,7 @@ class StageLink:
         self.close_group()
         urls = [u for u in self.urls if u in live]
         start = time.monotonic()
-        errors = self.fleet.each(urls, lambda c: c.destroy_weights_update_group(self.group_name),
+        errors = self.fleet.each(urls, lambda c: weight_calls(c).destroy_weights_update_group(self.group_name),
                                 timeout_s=min(self.timeout_s, 30.0))
         for message in errors.values():
             log.warning("stage %d: destroying %s: %s", self.stage, self.group_name, message)
