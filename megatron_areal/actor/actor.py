@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_areal.actor.attention import PackedCoreAttention
 from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_areal.actor.engine import run_microbatches
+from megatron_areal.actor.lora import attach_lora
 from megatron_areal.actor.microbatch import PackedMicroBatch, pack
 from megatron_areal.actor.model import build_model, check_layout, resolve_dtype
 from megatron_areal.actor.moe_metrics import take_aux_loss
@@ -77,6 +78,9 @@ class Actor:
         chunks = build_model(arch, groups, sequence_parallel=parallel_cfg.sequence_parallel, dtype=self.dtype,
                              seed=seed, transformer_impl=model_cfg.transformer_impl,
                              aux_loss_coef=model_cfg.router_aux_loss_coef, recompute=model_cfg.recompute_activations)
+        if model_cfg.lora.enabled:  # before DDP: only the adapters get gradient buffers and optimizer state
+            attach_lora(chunks, arch, model_cfg.lora, tp=groups.tp, tp_rank=groups.tp_rank, seed=seed,
+                        sequence_parallel=parallel_cfg.sequence_parallel)
         state = build_train_state(chunks, optimizer_cfg, groups, total_steps * ppo_cfg.n_minibatches)
         self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
         # shared prompt tokens need the local spec's attention (parallel.share_prompts)

@@ -1,10 +1,45 @@
 """Settings of the Megatron actor: the model, its parallel layout and the optimizer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_areal.configbase import require
+
+# the projections an adapter may sit beside, by their HF names (model/mapping.py maps them onto Megatron's
+# fused linear_qkv / linear_fc1 and its linear_proj / linear_fc2)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters beside the attention and MLP projections (actor/lora.py); rank 0 trains the whole model.
+
+    The base weights are frozen; only the adapters get gradients and optimizer state. Adapter ``B`` starts at
+    zero, so training starts from the base model; the update is ``B @ A * alpha / rank``, as PEFT's."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapter's input during training (PEFT's lora_dropout)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
+        require(self.rank >= 0, "rank", "must be >= 0 (0: no adapters)")
+        require(self.alpha > 0, "alpha", "must be > 0")
+        require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        require(not unknown, "targets", f"{unknown[0] if unknown else ''!r} is not one of {', '.join(LORA_TARGETS)}")
+        require(len(set(self.targets)) == len(self.targets), "targets", "lists a projection twice")
+        require(bool(self.targets) or not self.enabled, "targets", "must name at least one projection")
 
 
 @dataclass(kw_only=True)
@@ -26,6 +61,7 @@ class ModelConfig:
     # there; the same gradients for one more forward (SmolLM2 main-job shapes: step peak about 0.6 GiB
     # lower, +17% time; bench/trainer_memory.py)
     recompute_activations: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""

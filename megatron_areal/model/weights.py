@@ -51,12 +51,17 @@ def expert_offset(chunk: torch.nn.Module) -> int:
     return 0
 
 
+ADAPTERS = "lora"  # a chunk's low-rank adapters (actor/lora.py): beside the model's weights, not among them
+
+
 def named_global_params(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(global Megatron name, parameter) of a (possibly wrapped) chunk; layer and expert indices are
-    whole-model."""
+    whole-model. Low-rank adapters are not model weights and are left out."""
     chunk = unwrap(chunk)
     offset, experts = layer_offset(chunk), expert_offset(chunk)
     for name, param in chunk.named_parameters():
+        if name.startswith(ADAPTERS + "."):
+            continue
         yield mapping.canonical(mapping.global_name(name, offset, experts)), param
 
 
@@ -128,14 +133,18 @@ def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: ModelArch, tp_gro
     Every rank of the TP group must iterate in step (the gathers are collective). With tied
     embeddings only the stage that holds ``embedding`` yields ``model.embed_tokens.weight``.
     MoE: expert tensors are gathered over expert TP and EP (pass those groups), so every rank
-    yields all experts.
+    yields all experts. A chunk with low-rank adapters yields its merged weights (base + ``B @ A * scale``).
     """
     for chunk in chunks:
+        adapters = getattr(unwrap(chunk), ADAPTERS, None)
         for name, param in named_global_params(chunk):
             if mapping.is_expert(name):
                 full = gather_tp(name, param.detach(), etp_group, etp_size)
                 pairs = gather_experts(name, full, ep_group, ep_size, arch.num_experts // ep_size)
             else:
                 pairs = [(name, gather_tp(name, param.detach(), tp_group, tp_size))]
+            updates = adapters.hf_updates(name, tp_group) if adapters is not None else {}
             for hf_name, t in mapping.to_hf(arch, pairs):
+                if hf_name in updates:
+                    t = (t.float() + updates[hf_name]).to(t.dtype)
                 yield hf_name, (t if dtype is None else t.to(dtype))
