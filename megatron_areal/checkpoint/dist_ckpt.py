@@ -40,10 +40,13 @@ class CheckpointReadError(ValueError):
 
 
 def write_meta(ckpt_dir: Path, arch: ModelArch, hf_dir: Path | None, hf_dtype: torch.dtype,
-               tp: int, pp: int, dp: int = 1, ep: int = 1, etp: int = 1) -> None:
-    """Describe the model next to the tensors; copy the HF config and tokenizer files along."""
+               tp: int, pp: int, dp: int = 1, ep: int = 1, etp: int = 1, lora: dict[str, Any] | None = None) -> None:
+    """Describe the model next to the tensors; copy the HF config and tokenizer files along. ``lora``: the
+    ``model.lora`` section of a model with low-rank adapters (their tensors are in the checkpoint too)."""
     meta = {"format_version": FORMAT_VERSION, "arch": arch.to_dict(), "hf_dtype": str(hf_dtype).removeprefix("torch."),
             "saved_tp": tp, "saved_pp": pp, "saved_dp": dp, "saved_ep": ep, "saved_etp": etp}
+    if lora is not None:
+        meta["lora"] = lora
     (ckpt_dir / META).write_text(json.dumps(meta, indent=2))
     if hf_dir is not None:
         dst = ckpt_dir / HF_FILES

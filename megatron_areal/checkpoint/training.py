@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_areal.actor.lora import lora_settings
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.checkpoint import dist_ckpt
 from megatron_areal.checkpoint.verify import checkpoint_damage
@@ -251,7 +252,8 @@ class Checkpointer:
         self._barrier()
         if dist.get_rank() == 0:
             g = self.groups
-            dist_ckpt.write_meta(tmp, self.arch, self.hf_dir, self.hf_dtype, g.tp, g.pp, g.dp, ep=g.ep, etp=g.etp)
+            dist_ckpt.write_meta(tmp, self.arch, self.hf_dir, self.hf_dtype, g.tp, g.pp, g.dp, ep=g.ep, etp=g.etp,
+                                 lora=lora_settings(model))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

@@ -1,11 +1,13 @@
 """``megatron-areal convert``: HF folder <-> Megatron distributed checkpoint.
 
     megatron-areal convert hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp N --pp N --ep N --etp N]
-    megatron-areal convert mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--dtype bfloat16]
+    megatron-areal convert mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--dtype bfloat16] [--adapter-only]
 
 The checkpoint loads at any TP/PP(/EP) layout; ``--tp/--pp/--ep/--etp`` only choose the layout it
 is written from (``--ep``/``--etp``: expert parallel and expert tensor parallel, MoE models).
-``mcore-to-hf`` also accepts a training checkpoint directory.
+``mcore-to-hf`` also accepts a training checkpoint directory; one of a ``model.lora`` run is written
+merged into the base weights, or with ``--adapter-only`` as a PEFT adapter folder that
+``peft.PeftModel.from_pretrained`` loads onto the base model.
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--out", required=True, help="HF folder to create")
     to_hf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="weight dtype (default: that of the HF model the checkpoint came from)")
+    to_hf.add_argument("--adapter-only", action="store_true",
+                       help="write only the low-rank adapters, as a PEFT folder (model.lora checkpoints)")
     return parser
 
 
@@ -57,7 +61,8 @@ def main(argv: list[str]) -> int:
 
             out = hf_to_mcore(resolve_model(args.hf), args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
         else:
-            out = mcore_to_hf(args.ckpt, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
+            out = mcore_to_hf(args.ckpt, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                              adapter_only=args.adapter_only)
     except INPUT_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

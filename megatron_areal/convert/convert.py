@@ -76,19 +76,35 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     return out_dir
 
 
-def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Convert a Megatron checkpoint (conversion or training) back into an HF folder."""
+def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
+                adapter_only: bool = False) -> Path:
+    """Convert a Megatron checkpoint (conversion or training) back into an HF folder.
+
+    A checkpoint with low-rank adapters (``model.lora``) is written merged (base + ``B @ A * alpha / rank``),
+    or with ``adapter_only`` as a PEFT adapter folder (``convert/peft_export.py``)."""
+    from megatron_areal.convert import peft_export
+
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     meta = dist_ckpt.read_meta(ckpt_dir)
     arch = dist_ckpt.hf_arch_from_ckpt(ckpt_dir)
     dist_ckpt.check_same_model(ckpt_dir, arch)
     dtype = dtype or getattr(torch, meta["hf_dtype"])
+    lora = meta.get("lora")
+    if adapter_only and not lora:
+        raise dist_ckpt.CheckpointMismatchError(f"{ckpt_dir / dist_ckpt.META}: --adapter-only, but the checkpoint "
+                                                "has no low-rank adapters (model.lora.rank was 0)")
     with atomic_dir(out_dir) as tmp, local_process_group():
-        tensors = ((n, t.to(dtype)) for n, t in read_hf_tensors(ckpt_dir, arch))
-        write_hf_weights(tmp, _checked(arch, tensors))
-        if (ckpt_dir / dist_ckpt.HF_FILES).is_dir():
-            copy_non_weights(ckpt_dir / dist_ckpt.HF_FILES, tmp)
-    log.info("wrote HF folder %s from %s", out_dir, ckpt_dir)
+        adapters = peft_export.read_adapters(ckpt_dir, arch, lora) if lora else {}
+        if adapter_only:
+            peft_export.write_peft(tmp, arch, adapters, lora, dtype)
+        else:
+            tensors = ((n, t.to(dtype)) for n, t in read_hf_tensors(ckpt_dir, arch))
+            if lora:
+                tensors = peft_export.merged(arch, tensors, adapters, lora)
+            write_hf_weights(tmp, _checked(arch, tensors))
+            if (ckpt_dir / dist_ckpt.HF_FILES).is_dir():
+                copy_non_weights(ckpt_dir / dist_ckpt.HF_FILES, tmp)
+    log.info("wrote %s %s from %s", "PEFT adapter folder" if adapter_only else "HF folder", out_dir, ckpt_dir)
     return out_dir
 
 

@@ -83,7 +83,7 @@ def score_rank(kind: str, source: str, sequences: list[list[int]], tp: int, pp: 
                max_tokens_per_mb: int = 4096, ep: int = 1, etp: int = 1) -> list[list[float]]:
     """One rank of ``score`` (inside a worker pool): logprobs of every sequence, on every rank."""
     from megatron_areal.actor.actor import Actor
-    from megatron_areal.actor.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from megatron_areal.actor.config import LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
     from megatron_areal.algorithm.config import PPOConfig
     from megatron_areal.model.weights import load_hf_weights
@@ -92,7 +92,9 @@ def score_rank(kind: str, source: str, sequences: list[list[int]], tp: int, pp: 
     groups = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=etp)
     try:
         longest = max(len(s) for s in sequences)
-        actor = Actor(arch, ModelConfig(path=source, dtype="float32", max_seq_len=longest),
+        lora = dist_ckpt.read_meta(source).get("lora") if kind == "ckpt" else None  # a model.lora run's adapters
+        actor = Actor(arch, ModelConfig(path=source, dtype="float32", max_seq_len=longest,
+                                        lora=LoraConfig(**lora) if lora else LoraConfig()),
                       ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, max_tokens_per_mb=max(max_tokens_per_mb, longest),
                                      sequence_parallel=arch.is_moe and tp > 1),
                       OptimizerConfig(distributed=False), PPOConfig(), groups, total_steps=1)
