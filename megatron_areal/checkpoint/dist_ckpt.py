@@ -119,5 +119,7 @@ def load_model(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path, arch: Mo
     from megatron.core import dist_checkpointing
 
     check_same_model(ckpt_dir, arch)
-    state = dist_checkpointing.load(model_sharded_state_dict(chunks), str(ckpt_dir))
-    load_model_state(chunks, state)
+    request = model_sharded_state_dict(chunks)
+    state = dist_checkpointing.load(request, str(ckpt_dir))
+    # a training checkpoint's common state (optimizer, scheduler, the trainer's own) comes back merged in
+    load_model_state(chunks, {k: v for k, v in state.items() if k in request})
