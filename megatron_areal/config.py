@@ -89,6 +89,11 @@ class Config:
         """Checks across sections (each section validates itself first)."""
         require(not self.ppo.routing_replay or self.rollout.return_routed_experts, "ppo.routing_replay",
                 "true requires rollout.return_routed_experts: true (the rollout's routes are what the trainer replays)")
+        require(not (self.model.lora.enabled and self.weights.verify), "weights.verify",
+                "does not yet cover a model.lora run's merged push (the checksums are of the base weights' shards); "
+                "set weights.verify: false")
+        require(not (self.model.lora.enabled and self.parallel.sequence_parallel), "parallel.sequence_parallel",
+                "is not supported with model.lora (the adapters take the projection's whole input)")
         if self.realloc.method == "disk" and self.realloc.disk_dir:
             problem = directory_problem(self.realloc.disk_dir)
             require(problem is None, "realloc.disk_dir", str(problem))

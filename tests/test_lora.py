@@ -54,8 +54,8 @@ def _actor(hf_dir: str, tp: int, pp: int, seed: int, lora: dict):
     arch = load_arch(hf_dir)
     groups = init_parallel(tp=tp, pp=pp, backend="gloo", seed=seed)
     actor = Actor(arch, ModelConfig(path=hf_dir, dtype="float32", max_seq_len=64, lora=LoraConfig(**lora)),
-                  ParallelConfig(tp=tp, pp=pp), OptimizerConfig(lr=2e-2, adam_eps=1e-4, distributed=True), PPOConfig(), groups,
-                  seed=seed, total_steps=10)
+                  ParallelConfig(tp=tp, pp=pp), OptimizerConfig(lr=2e-2, adam_eps=1e-4, distributed=True), PPOConfig(),
+                  groups, seed=seed, total_steps=10)
     load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
     return arch, groups, actor
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.model.weights import named_global_params
+from megatron_areal.model.weights import ADAPTERS, named_global_params, unwrap
 
 
 def is_stage_head(groups: ParallelGroups) -> bool:
@@ -85,6 +85,8 @@ def stage_hf_tensors(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups:
     if not takes_part(groups):
         return
     for chunk in chunks:
+        # a model.lora run pushes merged weights (base + B @ A * scale): the servers serve the trained policy
+        adapters = getattr(unwrap(chunk), ADAPTERS, None)
         for name, param in named_global_params(chunk):
             if mapping.is_expert(name):
                 pairs = experts_to_head(name, param.detach(), groups, arch.num_experts) \
@@ -92,5 +94,10 @@ def stage_hf_tensors(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups:
             else:
                 full = dense_to_head(name, param.detach(), groups) if groups.dp_rank == 0 else None
                 pairs = [] if full is None else [(name, full)]
+            # collective over the TP group of data-parallel replica 0, the ranks that gathered the dense tensor
+            updates = adapters.hf_updates(name, groups.tp_group) if adapters is not None and groups.dp_rank == 0 \
+                else {}
             for hf_name, t in mapping.to_hf(arch, pairs):
+                if hf_name in updates:
+                    t = (t.float() + updates[hf_name]).to(t.dtype)
                 yield hf_name, (t if dtype is None else t.to(dtype))
