@@ -94,9 +94,9 @@ class Config:
                 "set weights.verify: false")
         require(not (self.model.lora.enabled and self.parallel.sequence_parallel), "parallel.sequence_parallel",
                 "is not supported with model.lora (the adapters take the projection's whole input)")
-        if self.realloc.method == "disk" and self.realloc.disk_dir:
-            problem = directory_problem(self.realloc.disk_dir)
-            require(problem is None, "realloc.disk_dir", str(problem))
+        if self.weights.method == "disk" and self.weights.disk_dir:
+            problem = directory_problem(self.weights.disk_dir)
+            require(problem is None, "weights.disk_dir", str(problem))
         if self.rollout.workflow:
             problem = workflow_problem(self.rollout.workflow)
             require(problem is None, "rollout.workflow", str(problem))

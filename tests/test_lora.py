@@ -8,6 +8,7 @@ model in transformers, and transformers runs the merged export. Checked in fp32:
 - the trainer's logprobs after the steps equal PEFT's and the merged model's, at every layout, and
   ``score`` of the checkpoint at TP1 and TP2 equals them too;
 - the three layouts train the same adapters (the TP/PP gradient paths are right);
+- a weight push (``weights/gather.py``) sends the merged weights the export writes;
 - a step changes only adapter parameters; the optimizer holds exactly the adapters; the base gets no
   gradient buffer;
 - the checkpoint resumes at another layout: a third step after resuming equals one without stopping.
@@ -80,6 +81,9 @@ def train_and_save(hf_dir: str, root: str, tp: int, pp: int, lora: dict) -> dict
     path = Checkpointer(root, arch, groups, keep=1, hf_dir=hf_dir).save(2, actor.model, actor.optimizer,
                                                                           actor.scheduler)
     trained_lp = actor.compute_logprobs(EVAL)
+    from megatron_areal.weights.gather import stage_hf_tensors
+
+    pushed = {n: t.clone() for n, t in stage_hf_tensors(actor.model, arch, groups)}  # what a weight push sends
     actor.ppo_update(_batch(3))
     out = {"base": [x.tolist() for x in base_lp], "trained": [x.tolist() for x in trained_lp],
            "continued": [x.tolist() for x in actor.compute_logprobs(EVAL)], "ckpt": str(path),
@@ -87,7 +91,7 @@ def train_and_save(hf_dir: str, root: str, tp: int, pp: int, lora: dict) -> dict
            "unchanged": sorted(n for n in start if torch.equal(start[n], end[n])),
            "with_grad_buffer": sorted(n for n, p in params if hasattr(p, "main_grad")),
            "optimized": optimized, "adapter_numel": sum(p.numel() for n, p in params if ".lora." in n),
-           "dp_rank": groups.dp_rank, "dp": groups.dp}
+           "dp_rank": groups.dp_rank, "dp": groups.dp, "pushed": pushed}
     teardown_parallel()
     return out
 
@@ -185,6 +189,11 @@ def test_peft_loads_the_adapter_export_with_the_trainers_logits(runs, tiny_qwen3
         assert _diff(ranks[0]["trained"], peft_lp) <= TOLERANCE, (tp, pp)
         assert _diff(merged_lp, peft_lp) <= TOLERANCE, (tp, pp)
         assert _diff(ranks[1]["trained"], ranks[0]["trained"]) == 0.0  # every rank returns the same
+        pushed = {n: t for r in ranks for n, t in r["pushed"].items()}  # each pipeline stage's head sends its own
+        merged_tensors = load_file(str(merged_dir / "model.safetensors"))
+        assert sorted(pushed) == sorted(merged_tensors), (tp, pp)
+        worst = max(float((pushed[n] - merged_tensors[n]).abs().max()) for n in pushed)
+        assert worst <= 1e-6, (tp, pp, worst)  # the push sends the merged weights
     for layout in LAYOUTS[1:]:  # TP2 and PP2 train the adapters DP2 trains
         worst = max(float((t - adapters[LAYOUTS[0]][name]).abs().max()) for name, t in adapters[layout].items())
         assert worst <= 1e-5, (layout, worst)
@@ -222,3 +231,33 @@ def test_dropout_keeps_tensor_parallel_replicas_equal(runs):
     assert first.keys() == second.keys() and first
     for name in first:
         assert first[name] == second[name], name
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["model.lora.rank=4", "model.lora.targets=[qkv_proj]"], "model.lora.targets"),
+    (["model.lora.rank=-1"], "model.lora.rank"),
+    (["model.lora.rank=4", "model.lora.dropout=1.0"], "model.lora.dropout"),
+    (["model.lora.rank=4", "model.lora.targets=[q_proj, q_proj]"], "model.lora.targets"),
+    (["model.lora.rank=4", "weights.verify=true"], "weights.verify"),
+])
+def test_bad_lora_settings_are_refused_naming_the_key(overrides, key):
+    from megatron_areal.config import load_config
+    from megatron_areal.configbase import ConfigError
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+    load_config(None, ["model.lora.rank=4", "model.lora.targets=[q_proj, v_proj]"])  # a good one loads
+
+
+def test_moe_experts_are_refused():
+    import tempfile
+
+    from megatron_areal.model.arch import load_arch
+    from megatron_areal.model.lora_sites import check_targets
+    from tests.tiny_moe import make_tiny_qwen3_moe
+
+    with tempfile.TemporaryDirectory() as d:
+        arch = load_arch(make_tiny_qwen3_moe(d))
+    check_targets(arch, ["q_proj", "o_proj"])  # attention of a MoE model has adapter sites
+    with pytest.raises(ValueError, match="model.lora.targets: 'gate_proj': qwen3_moe is a mixture-of-experts"):
+        check_targets(arch, ["q_proj", "gate_proj"])
