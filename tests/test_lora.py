@@ -44,7 +44,7 @@ def _batch(seed: int):
     return out
 
 
-def _actor(hf_dir: str, tp: int, pp: int, seed: int, lora: dict):
+def _actor(hf_dir: str, tp: int, pp: int, seed: int, lora: dict, recompute: bool = False):
     from megatron_areal.actor.actor import Actor
     from megatron_areal.actor.config import LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from megatron_areal.actor.parallel import init_parallel
@@ -54,7 +54,8 @@ def _actor(hf_dir: str, tp: int, pp: int, seed: int, lora: dict):
 
     arch = load_arch(hf_dir)
     groups = init_parallel(tp=tp, pp=pp, backend="gloo", seed=seed)
-    actor = Actor(arch, ModelConfig(path=hf_dir, dtype="float32", max_seq_len=64, lora=LoraConfig(**lora)),
+    actor = Actor(arch, ModelConfig(path=hf_dir, dtype="float32", max_seq_len=64, lora=LoraConfig(**lora),
+                                    recompute_activations=recompute),
                   ParallelConfig(tp=tp, pp=pp), OptimizerConfig(lr=2e-2, adam_eps=1e-4, distributed=True), PPOConfig(),
                   groups, seed=seed, total_steps=10)
     load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
@@ -127,6 +128,18 @@ def tp_replicas_with_dropout(hf_dir: str) -> dict:
     return whole
 
 
+def trained_with_recompute(hf_dir: str) -> list[list[float]]:
+    """The TP2 run's two steps with activation recomputation (each layer's forward, hooks included, runs twice)."""
+    from megatron_areal.actor.parallel import teardown_parallel
+
+    _, _, actor = _actor(hf_dir, 2, 1, seed=1, lora=LORA, recompute=True)
+    actor.ppo_update(_batch(1))
+    actor.ppo_update(_batch(2))
+    out = [x.tolist() for x in actor.compute_logprobs(EVAL)]
+    teardown_parallel()
+    return out
+
+
 def _logprobs(model, sequences) -> list[torch.Tensor]:
     out = []
     with torch.no_grad():
@@ -151,6 +164,7 @@ def runs(tiny_qwen3, tmp_path_factory):
         tp2_ckpt = out[(2, 1)][0]["ckpt"]
         out["resumed"] = pool.run(resume, str(tiny_qwen3), tp2_ckpt, 1, 2, LORA)
         out["dropout"] = pool.run(tp_replicas_with_dropout, str(tiny_qwen3))
+        out["recompute"] = pool.run(trained_with_recompute, str(tiny_qwen3))
         from megatron_areal.convert.score import score
 
         out["score"] = {tp: score("ckpt", tp2_ckpt, EVAL, tp=tp, pool=pool) for tp in (1, 2)}
@@ -261,3 +275,9 @@ def test_moe_experts_are_refused():
     check_targets(arch, ["q_proj", "o_proj"])  # attention of a MoE model has adapter sites
     with pytest.raises(ValueError, match="model.lora.targets: 'gate_proj': qwen3_moe is a mixture-of-experts"):
         check_targets(arch, ["q_proj", "gate_proj"])
+
+
+def test_activation_recomputation_trains_the_same_adapters(runs):
+    _, out = runs
+    for rank in out["recompute"]:
+        assert _diff(rank, out[(2, 1)][0]["trained"]) <= 1e-5

@@ -80,7 +80,7 @@ class Actor:
                              aux_loss_coef=model_cfg.router_aux_loss_coef, recompute=model_cfg.recompute_activations)
         if model_cfg.lora.enabled:  # before DDP: only the adapters get gradient buffers and optimizer state
             attach_lora(chunks, arch, model_cfg.lora, tp=groups.tp, tp_rank=groups.tp_rank, seed=seed,
-                        sequence_parallel=parallel_cfg.sequence_parallel)
+                        sequence_parallel=parallel_cfg.sequence_parallel, recompute=model_cfg.recompute_activations)
         state = build_train_state(chunks, optimizer_cfg, groups, total_steps * ppo_cfg.n_minibatches)
         self.model, self.optimizer, self.scheduler = state.model, state.optimizer, state.scheduler
         # shared prompt tokens need the local spec's attention (parallel.share_prompts)

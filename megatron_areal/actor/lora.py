@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import math
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,7 +68,7 @@ class LoraPair(torch.nn.Module):
 
 def _full_a(seed: int, layer: int, target: str, rank: int, in_features: int) -> torch.Tensor:
     """PEFT's default ``A`` (kaiming-uniform, a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), the same at any layout."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 101 + sum(map(ord, target)))
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{layer}.{target}".encode()))
     bound = 1.0 / math.sqrt(in_features)
     return (torch.rand(rank, in_features, generator=gen) * 2 - 1) * bound
 
@@ -186,9 +187,17 @@ def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module:
     return module
 
 
+def _require_grad(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output.requires_grad_(True)
+
+
 def attach_lora(chunks: Sequence[torch.nn.Module], arch: ModelArch, cfg: LoraConfig, *, tp: int, tp_rank: int,
-                seed: int, sequence_parallel: bool = False) -> None:
-    """Freeze the chunks' weights and put adapters beside their targeted projections (before DDP wraps them)."""
+                seed: int, sequence_parallel: bool = False, recompute: bool = False) -> None:
+    """Freeze the chunks' weights and put adapters beside their targeted projections (before DDP wraps them).
+
+    ``recompute``: Megatron recomputes each layer in a checkpoint function that runs a backward only when its
+    input requires a gradient; with a frozen embedding none does, so the first stage's embedding output is
+    marked as requiring one (later stages receive theirs so marked)."""
     check_targets(arch, cfg.targets)
     if sequence_parallel:
         raise ValueError("model.lora does not support parallel.sequence_parallel (the adapters take the "
@@ -196,6 +205,8 @@ def attach_lora(chunks: Sequence[torch.nn.Module], arch: ModelArch, cfg: LoraCon
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
+        if recompute and getattr(chunk, "pre_process", False):
+            chunk.embedding.register_forward_hook(_require_grad)
         layers = {int(layer.layer_number) - 1: layer for layer in chunk.decoder.layers}
         ref = next(chunk.parameters())
         setattr(chunk, ADAPTERS, LoraAdapters(arch, cfg, layers, tp=tp, tp_rank=tp_rank, seed=seed, dtype=ref.dtype,
