@@ -111,6 +111,21 @@ def resume(hf_dir: str, ckpt: str, tp: int, pp: int, lora: dict) -> dict:
     return out
 
 
+def resume_without_adapters(hf_dir: str, ckpt: str) -> str:
+    """The error of resuming a LoRA checkpoint in a run without adapters."""
+    from megatron_areal.actor.parallel import teardown_parallel
+    from megatron_areal.checkpoint.training import Checkpointer
+
+    arch, groups, actor = _actor(hf_dir, 1, 1, seed=7, lora={**LORA, "rank": 0})
+    try:
+        Checkpointer(ckpt + "-unused", arch, groups).load(ckpt, actor.model, actor.optimizer, actor.scheduler)
+    except Exception as e:  # the test reads the message
+        return f"{type(e).__name__}: {e}"
+    finally:
+        teardown_parallel()
+    return "no error"
+
+
 def tp_replicas_with_dropout(hf_dir: str) -> dict:
     """At TP2 with adapter dropout, the whole (unsplit) matrices stay equal on both TP ranks."""
     from megatron_areal.actor.parallel import teardown_parallel
@@ -163,6 +178,7 @@ def runs(tiny_qwen3, tmp_path_factory):
                                 *layout, LORA) for layout in LAYOUTS}
         tp2_ckpt = out[(2, 1)][0]["ckpt"]
         out["resumed"] = pool.run(resume, str(tiny_qwen3), tp2_ckpt, 1, 2, LORA)
+        out["no_adapters"] = pool.run(resume_without_adapters, str(tiny_qwen3), tp2_ckpt)
         out["dropout"] = pool.run(tp_replicas_with_dropout, str(tiny_qwen3))
         out["recompute"] = pool.run(trained_with_recompute, str(tiny_qwen3))
         from megatron_areal.convert.score import score
@@ -237,6 +253,9 @@ def test_resume_at_another_layout_continues_the_run(runs):
         assert _diff(rank["loaded"], tp2["trained"]) <= 1e-5
         assert _diff(rank["continued"], tp2["continued"]) <= 1e-5
         assert _diff(rank["continued"], rank["loaded"]) > 1e-3  # the third step moved the policy
+    for message in out["no_adapters"]:
+        assert message.startswith("CheckpointMismatchError") and "saved with model.lora" in message, message
+        assert "this run has off" in message, message
 
 
 def test_dropout_keeps_tensor_parallel_replicas_equal(runs):

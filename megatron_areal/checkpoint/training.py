@@ -194,6 +194,16 @@ def _grad_buffers_released(model: list[torch.nn.Module]) -> Iterator[None]:
             c.restore_grad_buffers(synchronize=False)
 
 
+def _check_same_adapters(path: Path, live: dict[str, Any] | None) -> None:
+    """Refuse to resume a run whose ``model.lora`` differs from the checkpoint's (other adapter tensors, or none)."""
+    saved = dist_ckpt.read_meta(path).get("lora")
+    shape = lambda s: None if not s else (s["rank"], s["alpha"], sorted(s["targets"]))  # noqa: E731
+    if shape(saved) != shape(live):
+        raise dist_ckpt.CheckpointMismatchError(
+            f"{path / dist_ckpt.META}: saved with model.lora {saved or 'off'}, this run has {live or 'off'}; "
+            "resume with the same rank, alpha and targets (or start a new run directory)")
+
+
 class Checkpointer:
     """Save and resume the training state of one run under ``root`` (collective calls)."""
 
@@ -323,6 +333,7 @@ class Checkpointer:
 
         path = Path(path)
         dist_ckpt.check_same_model(path, self.arch)
+        _check_same_adapters(path, lora_settings(model))
         same_layout = self._same_layout(path)
         if not same_layout:
             log.info("%s was saved at another layout; RNG states are not restored", path)
