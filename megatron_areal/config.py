@@ -89,9 +89,9 @@ class Config:
         """Checks across sections (each section validates itself first)."""
         require(not self.ppo.routing_replay or self.rollout.return_routed_experts, "ppo.routing_replay",
                 "true requires rollout.return_routed_experts: true (the rollout's routes are what the trainer replays)")
-        if self.realloc.method == "disk" and self.realloc.disk_dir:
-            problem = directory_problem(self.realloc.disk_dir)
-            require(problem is None, "realloc.disk_dir", str(problem))
+        if self.weights.method == "disk" and self.weights.disk_dir:
+            problem = directory_problem(self.weights.disk_dir)
+            require(problem is None, "weights.disk_dir", str(problem))
         if self.rollout.workflow:
             problem = workflow_problem(self.rollout.workflow)
             require(problem is None, "rollout.workflow", str(problem))
