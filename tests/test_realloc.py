@@ -98,7 +98,7 @@ def _w_sync(version: str, pid: int | None = None, signum: int = signal.SIGKILL,
     finally:
         sync.on_bucket = None
     return {"servers": r.servers, "dropped": r.dropped, "bytes": r.bytes_sent, "buckets": r.buckets,
-            "max_bucket": r.max_bucket_bytes}
+            "max_bucket": r.max_bucket_bytes, "wire": r.wire_bytes, "peak": r.peak_buffer_bytes}
 
 
 def _w_add(url: str) -> list[str]:
@@ -236,6 +236,9 @@ def test_sync_matches_conversion_on_both_servers(world: dict[str, Any]) -> None:
     r = results[0]
     assert r["servers"] == urls and not r["dropped"]
     assert r["buckets"] > 4 and r["max_bucket"] <= 0.05 * 2**20  # many small buckets, none over the size
+    # every trainer rank sent its own share (no stage head gathers), within a bounded bucket memory
+    assert len(r["wire"]) == 4 and max(r["wire"]) <= 1.25 * sum(r["wire"]) / 4, r["wire"]
+    assert r["peak"] <= 2 * 0.05 * 2**20 + 1, r["peak"]
     ref = _reference(world, "v1")
     assert _get(urls[0], "/weights_checksum")["checksums"] != before  # the weights really changed
     prompt = [5, 17, 33, 2, 60, 9]

@@ -31,6 +31,7 @@ from megatron_areal.weights.disk import prune_versions, write_hf_folder
 from megatron_areal.weights.endpoints import weight_calls
 from megatron_areal.weights.gather import check_head_holds_first_experts, is_stage_head, takes_part
 from megatron_areal.weights.link import Pending, StageLink
+from megatron_areal.weights.shard_push import ShardPush
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class SyncResult:
     gather_seconds: float = 0.0
     broadcast_seconds: float = 0.0
     reply_seconds: float = 0.0
+    wire_bytes: list[int] = field(default_factory=list)  # shard push: bytes each sending trainer rank put on the wire
+    peak_buffer_bytes: int = 0  # shard push: the most bucket memory one trainer rank held at once
 
 
 @dataclass
@@ -72,6 +75,18 @@ class _Outcome:
     gather_seconds: float = 0.0
     broadcast_seconds: float = 0.0
     reply_seconds: float = 0.0
+    wire_bytes: list[int] = field(default_factory=list)  # shard push: bytes each trainer rank sent, in rank order
+    peak_buffer_bytes: int = 0  # shard push: the most bucket memory one rank held at once
+
+
+def transfer_of(transfer: str, engine: str) -> str:
+    """``weights.transfer`` resolved for ``server.engine``: SGLang takes whole tensors from one source per group."""
+    if transfer == "auto":
+        return "stage_heads" if engine == "sglang" else "shards"
+    if transfer == "shards" and engine == "sglang":
+        raise ValueError("weights.transfer=shards: SGLang takes whole tensors from one source per group; "
+                         "use stage_heads (or auto)")
+    return transfer
 
 
 def _is_int(label: str) -> bool:
@@ -137,6 +152,13 @@ class WeightSync:
             if (self.is_head or self.rank0) else None)
         self._link: StageLink | None = None
         self._generation = 0
+        self.transfer = transfer_of(self.config.transfer, engine)
+        self._shards = ShardPush(
+            self.chunks, arch, groups, fleet=self.fleet if self.rank0 else None, control_group=control_group,
+            master_address=self.master_address, backend=self.backend, timeout_s=self.config.timeout_s,
+            bucket_bytes=self.config.bucket_bytes, in_flight=self.config.buckets_in_flight, dtype=dtype,
+            broadcast=self._value_from_rank0) \
+            if self.transfer == "shards" and self.config.method == "distributed" else None
 
     # ---- the public sequence -------------------------------------------------------------
     def sync(self, version: str | int) -> SyncResult:
@@ -151,7 +173,8 @@ class WeightSync:
         result = SyncResult(version=version, seconds=time.monotonic() - start, bytes_sent=outcome.bytes_sent,
                             buckets=outcome.buckets, max_bucket_bytes=outcome.max_bucket_bytes,
                             servers=list(self.servers), dropped=dropped, gather_seconds=outcome.gather_seconds,
-                            broadcast_seconds=outcome.broadcast_seconds, reply_seconds=outcome.reply_seconds)
+                            broadcast_seconds=outcome.broadcast_seconds, reply_seconds=outcome.reply_seconds,
+                            wire_bytes=outcome.wire_bytes, peak_buffer_bytes=outcome.peak_buffer_bytes)
         if self.rank0:
             log.info("weights v%s on %d servers in %.2fs (%.1f MB, %d buckets)%s", version, len(self.servers),
                      result.seconds, result.bytes_sent / 1e6, result.buckets,
@@ -212,6 +235,8 @@ class WeightSync:
 
     def close(self) -> None:
         """Destroy the weight-update groups with the servers and close the fleet if it is this object's own."""
+        if self._shards is not None:
+            self._shards.close(list(self.servers))
         if self._link is not None:
             self._link.destroy(list(self.servers))
             self._link = None
@@ -305,6 +330,8 @@ class WeightSync:
     def _push(self, version: str, servers: dict[str, int], temporary: bool = False) -> _Outcome:
         if self.config.method == "disk":
             return self._push_disk(version, list(servers))
+        if self._shards is not None:
+            return self._push_shards(version, servers, temporary)
         local = _Outcome()
         link = None
         for stage in range(self.groups.pp):
@@ -419,7 +446,37 @@ class WeightSync:
             total.gather_seconds = max(total.gather_seconds, part.gather_seconds)
             total.broadcast_seconds = max(total.broadcast_seconds, part.broadcast_seconds)
             total.reply_seconds = max(total.reply_seconds, part.reply_seconds)
+            total.wire_bytes += part.wire_bytes
+            total.peak_buffer_bytes = max(total.peak_buffer_bytes, part.peak_buffer_bytes)
         return total
+
+    def _push_shards(self, version: str, servers: dict[str, int], temporary: bool) -> _Outcome:
+        """Every trainer rank sends its own slices (``shard_push``); the group is re-formed when the members change."""
+        shards = self._shards
+        assert shards is not None
+        if not servers:
+            return _Outcome()
+        if temporary or shards.members != servers:
+            formed = self._merge(_Outcome(errors=shards.form(servers)))
+            if formed.errors:
+                shards.close([u for u in servers if u not in formed.errors])
+                return formed
+        clock = time.perf_counter()
+        stats, errors = shards.push(version, self.on_bucket)
+        local = _Outcome(errors=errors, bytes_sent=stats.wire_bytes // max(1, len(servers)), buckets=stats.buckets,
+                         max_bucket_bytes=self.config.bucket_bytes if stats.buckets else 0,
+                         gather_seconds=stats.pack_seconds,
+                         broadcast_seconds=stats.wait_seconds, reply_seconds=time.perf_counter() - clock,
+                         wire_bytes=[stats.wire_bytes], peak_buffer_bytes=stats.peak_buffer_bytes)
+        outcome = self._merge(local)
+        if temporary or outcome.errors:  # a server that reported an error may still hold the group: tell all
+            shards.close(list(servers))
+        return outcome
+
+    def _value_from_rank0(self, value: object) -> object:
+        box = [value]
+        dist.broadcast_object_list(box, group=self.control_group, group_src=0)
+        return box[0]
 
     def _from_rank0(self, value: dict[str, str]) -> dict[str, str]:
         box: list[dict[str, str]] = [value]
