@@ -484,16 +484,16 @@ class Engine:
         installing each round's completed tensors; returns the tensors installed. A manifest that cannot
         describe a receive is refused before any is posted; a sender that fails is named."""
         self.require_update_session("update_weights_from_shards")
-        group = self.groups.get(group_name)
-        if group is None:
-            raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group")
         limit = 8 * sum(t.numel() for t in self.model.state_dict().values())  # fp32, twice over
         try:
             rounds = check_manifest(manifest, senders=senders, max_bytes=limit)
-            if senders > group.world_size - 1:
-                raise ValueError(f"senders: {senders} leaves no rank for this server in a group of {group.world_size}")
         except ValueError as e:
             raise WeightError(str(e)) from None
+        group = self.groups.get(group_name)
+        if group is None:
+            raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group")
+        if not 1 <= senders < group.world_size:
+            raise WeightError(f"senders: {senders} does not fit a group of {group.world_size} with this server in it")
         timeout_s = self.opts.weight_group_timeout_s if timeout_s is None else timeout_s
         with one_thread():
             try:
