@@ -52,6 +52,7 @@ class ShardPush:
         self.group: WeightUpdateGroup | None = None
         self.group_name = ""
         self.generation = 0
+        self._traffic: tuple[list, dict[str, dict]] | None = None
         # rank 0's group names are ones no earlier push object used: a server that missed a destroy still
         # holds the old group
         self.token = uuid.uuid4().hex[:8]
@@ -105,6 +106,7 @@ class ShardPush:
             replies = wait_all(futures, self.timeout_s)
             errors = replies or errors
         self.members, self.plan, self.group_name = dict(servers), plan, name
+        self._traffic = None  # this rank's streams and rank 0's manifests, cut once per group
         if not errors and self.rank == 0:
             log.info("shard push group %s formed: %d senders, %d servers (world %d)", name, len(senders),
                      len(servers), world)
@@ -118,21 +120,16 @@ class ShardPush:
         plan, servers = self.plan, self.members
         senders = plan.senders
         ranks, names = self.receiver_ranks(servers, len(senders))
-        futures, rounds = {}, 1
+        mine, manifests = self._traffic or self._cut_traffic()
+        futures, rounds = {}, max((len(m["rounds"]) for m in manifests.values()), default=1)
         if self.rank == 0:
             assert self.fleet is not None
-            streams = all_streams(plan, bucket_bytes=self.bucket_bytes, dtype=self.dtype)
-            group_rank = {s: i for i, s in enumerate(senders)}
-            describe = {s: self.layout.describe(s) for s in senders}
-            rounds = max((len(s.buckets) for s in streams), default=1)
-            for i, url in enumerate(servers):
-                manifest = manifest_for(streams, i, group_rank=group_rank, describe=describe, dtype=self.dtype)
+            for url, manifest in manifests.items():
                 futures[url] = self.fleet.submit(url, lambda c, m=manifest: weight_calls(c).update_weights_from_shards(
                     manifest=m, senders=len(senders), group_name=self.group_name, weight_version=version,
                     timeout_s=self.timeout_s))
         stats = SendStats()
         if self.group is not None:
-            mine = streams_of(plan, self.rank, bucket_bytes=self.bucket_bytes, dtype=self.dtype)
             stats = send_streams(mine, self.source, group=self.group.pg, receiver_rank=ranks, receiver_name=names,
                                  dtype=self.dtype, bucket_bytes=self.bucket_bytes, in_flight=self.in_flight,
                                  timeout_s=self.timeout_s, device=self.device, on_bucket=on_bucket)
@@ -145,6 +142,21 @@ class ShardPush:
             errors = {**errors, **replies}
         return stats, errors
 
+    def _cut_traffic(self) -> tuple[list, dict[str, dict]]:
+        """This rank's streams and, on rank 0, every server's manifest: the same for every push to these servers."""
+        assert self.plan is not None and self.members is not None
+        plan, senders = self.plan, self.plan.senders
+        mine = streams_of(plan, self.rank, bucket_bytes=self.bucket_bytes, dtype=self.dtype)
+        manifests = {}
+        if self.rank == 0:
+            streams = all_streams(plan, bucket_bytes=self.bucket_bytes, dtype=self.dtype)
+            group_rank = {s: i for i, s in enumerate(senders)}
+            describe = {s: self.layout.describe(s) for s in senders}
+            manifests = {url: manifest_for(streams, i, group_rank=group_rank, describe=describe, dtype=self.dtype)
+                         for i, url in enumerate(self.members)}
+        self._traffic = (mine, manifests)
+        return self._traffic
+
     def close(self, live: list[str]) -> None:
         """Leave the group and ask the live servers to drop theirs (best effort)."""
         if self.group is not None:
@@ -155,4 +167,4 @@ class ShardPush:
             for message in self.fleet.each(urls, lambda c: weight_calls(c).destroy_weights_update_group(
                     self.group_name), timeout_s=min(self.timeout_s, 30.0)).values():
                 log.warning("destroying %s: %s", self.group_name, message)
-        self.members = self.plan = None
+        self.members = self.plan = self._traffic = None
