@@ -78,7 +78,7 @@ def send_streams(streams: list[Stream], source: SliceSource, *, group: dist.Proc
     rounds = max((len(s.buckets) for s in streams), default=0)
     for k in range(rounds):
         while len(pending) >= in_flight and not stats.errors:
-            _retire(pending.popleft(), free, stats, receiver_name, timeout_s)
+            _retire(pending.popleft(), free, stats, receiver_name, timeout_s, bucket_bytes)
         if stats.errors:
             break
         clock = time.perf_counter()
@@ -100,7 +100,7 @@ def send_streams(streams: list[Stream], source: SliceSource, *, group: dist.Proc
         stats.pack_seconds += time.perf_counter() - clock
         pending.append((k, works, buffers))
     while pending and not stats.errors:
-        _retire(pending.popleft(), free, stats, receiver_name, timeout_s)
+        _retire(pending.popleft(), free, stats, receiver_name, timeout_s, bucket_bytes)
     return stats
 
 
@@ -110,14 +110,14 @@ def _pack(items: tuple[Item, ...], source: SliceSource, free: list[torch.Tensor]
     (the buffer, the bucket's bytes in it, bytes newly allocated)."""
     size = sum(slice_bytes(s, dtype) for _, s in items)
     capacity = max(size, bucket_bytes)
-    buffer = next((b for b in free if b.numel() == capacity), None)
+    reuse = next((i for i, b in enumerate(free) if b.numel() == capacity), None)
     grown = 0
-    if buffer is None:
+    if reuse is None:
         target = device if device is not None else source.params[items[0][0]].device
         buffer = torch.empty(capacity, dtype=torch.uint8, device=target)
         grown = capacity
     else:
-        free.remove(buffer)
+        buffer = free.pop(reuse)  # by position: ``list.remove`` would compare tensors elementwise
     offset = 0
     for name, s in items:
         n = slice_bytes(s, dtype)
@@ -129,7 +129,7 @@ def _pack(items: tuple[Item, ...], source: SliceSource, free: list[torch.Tensor]
 
 def _retire(entry: tuple[int, list[tuple[tuple[int, int], dist.Work]], list[torch.Tensor]],
             free: list[torch.Tensor], stats: SendStats, receiver_name: dict[tuple[int, int], str],
-            timeout_s: float) -> None:
+            timeout_s: float, bucket_bytes: int) -> None:
     """Wait for one round's sends (bounded); its buffers become free for the next rounds."""
     k, works, buffers = entry
     clock = time.perf_counter()
@@ -141,5 +141,5 @@ def _retire(entry: tuple[int, list[tuple[tuple[int, int], dist.Work]], list[torc
             name = receiver_name[receiver]
             stats.errors[name.split(" ")[0]] = f"{name}: bucket {k} of the weight push not delivered: {e}"
     stats.wait_seconds += time.perf_counter() - clock
-    if not stats.errors:
-        free.extend(buffers)
+    if not stats.errors:  # kept for reuse; a larger one (a slice over the bucket size) is let go
+        free.extend(b for b in buffers if b.numel() == bucket_bytes)
