@@ -498,15 +498,18 @@ class Engine:
         with one_thread():
             try:
                 count = receive_slices(group.pg, rounds, timeout_s=timeout_s, device=group.device,
-                                       on_round=lambda tensors: self._install(tensors, None, complete=False))
+                                       on_round=lambda tensors: self._install(tensors, None, complete=False,
+                                                                              announce=False))
             except WireError as e:
                 raise WeightError(str(e)) from None
         if version is not None:
             with self._lock:
                 self.weight_version = str(version)
+        log.info("weights updated (%d tensors), version %s", count, self.weight_version)
         return count
 
-    def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool) -> None:
+    def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool,
+                 announce: bool = True) -> None:
         with self._lock, one_thread():
             load_weights(self.model, tensors, complete=complete)
             if version is not None:
@@ -515,7 +518,8 @@ class Engine:
             # prefilled again from prompt + tokens so far, under the new weights.
             self._retract()
         self._work.set()
-        log.info("weights updated (%d tensors), version %s", len(tensors), self.weight_version)
+        if announce:  # a shard push announces once, with its version, when every round is in
+            log.info("weights updated (%d tensors), version %s", len(tensors), self.weight_version)
 
 
 def _check_membership(*, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str,
