@@ -98,7 +98,8 @@ class WeightSync:
     slices, or the stage heads their stages; groups are formed once and reused while the members stay
     the same); rank 0 resumes the fleet. ``servers`` is the membership every rank agrees on; rank 0
     drops and re-admits servers in ``fleet`` too (the ``Fleet`` the rollout controller routes over,
-    when the trainer shares it), so a dropped server gets no more rollouts. ``on_drop`` / ``on_join`` are told as well (observers).
+    when the trainer shares it), so a dropped server gets no more rollouts. ``on_drop`` / ``on_join``
+    are told as well (observers).
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups,
