@@ -249,7 +249,7 @@ def main() -> None:
                     inbox.put(("recv", f"raw{stage}", {"pieces": pieces[stage]}))
             raws.append(max(pool.run(_t_raw, pieces)))
             _acks(links, args.pp)
-        _report(args, syncs, raws, heads, pieces)
+        _report(args, model, syncs, raws, heads, pieces)
     finally:
         try:
             pool.run(_t_close)
@@ -284,20 +284,16 @@ def _verify(urls: list[str], references: list[dict[str, str]]) -> None:
             sys.exit(1)
 
 
-def _plan_rows(hidden: int, layers: int, tp: int, pp: int) -> float:
-    """The transfer plan's busiest share for dense and Qwen3-MoE at EP2, servers at TP1 and TP2 (two of
-    them); returns the dense one at TP2 servers (the RESULT)."""
-    from megatron_areal.model.arch import ModelArch
+def _plan_rows(model: Path, tp: int, pp: int) -> float:
+    """The transfer plan's busiest share for the bench's model and a Qwen3-MoE of its size (8 experts, EP2),
+    servers at TP1 and TP2 (two of them); returns the dense one at TP2 servers (the RESULT)."""
+    from megatron_areal.model.arch import ModelArch, load_arch
     from megatron_areal.weights.plan import ServerLayout, TrainerLayout, make_plan, stage_head_share
 
-    common = dict(vocab_size=32000, hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=4,
-                  head_dim=hidden // 8, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1e4,
-                  rope_scaling=None, qkv_bias=False, tie_word_embeddings=False)
-    dense = ModelArch(model_type="llama", intermediate_size=3 * hidden, qk_norm=False, **common)
-    models = {"dense (llama)": (dense, 1),
-              "qwen3-moe EP2": (ModelArch(model_type="qwen3_moe", intermediate_size=3 * hidden, qk_norm=True,
-                                          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden,
-                                          **common), 2)}
+    dense = load_arch(model)
+    moe = ModelArch(**{**dense.to_dict(), "model_type": "qwen3_moe", "qk_norm": True, "num_experts": 8,
+                       "num_experts_per_tok": 2, "moe_intermediate_size": dense.hidden_size})
+    models = {f"dense ({dense.model_type})": (dense, 1), "qwen3-moe EP2": (moe, 2)}
     print(f"transfer plan, trainer TP{tp} PP{pp}, two servers (busiest trainer rank's bytes / the mean):")
     result = 0.0
     for label, (arch, ep) in models.items():
@@ -314,7 +310,7 @@ def _plan_rows(hidden: int, layers: int, tp: int, pp: int) -> float:
     return result
 
 
-def _report(args: argparse.Namespace, syncs: list[list[dict[str, Any]]], raws: list[float],
+def _report(args: argparse.Namespace, model: Path, syncs: list[list[dict[str, Any]]], raws: list[float],
             heads: dict[int, int], pieces: list[list[int]]) -> None:
     sync_s = statistics.median(max(r["seconds"] for r in results) for results in syncs)
     raw_s = statistics.median(raws)
@@ -340,7 +336,7 @@ def _report(args: argparse.Namespace, syncs: list[list[dict[str, Any]]], raws: l
     buffers = max(max(r["peak"] for r in results) for results in syncs)
     print(f"peak extra memory on any trainer rank: {extra / 2**20:.1f} MiB = {extra / bucket:.2f} buckets "
           f"(resident-set high-water mark); the push's bucket buffers {buffers / bucket:.2f} buckets")
-    share = _plan_rows(args.hidden, args.layers, args.tp, args.pp)
+    share = _plan_rows(model, args.tp, args.pp)
     print(f"RESULT weight_sync_vs_raw {raw_s / sync_s:.3f}")
     print(f"RESULT weight_push_busiest_share {share:.3f}")
 
