@@ -109,7 +109,10 @@ def test_manifest_that_cannot_describe_a_receive_is_refused_before_any(server) -
 
     bad = [({"rounds": [[{"src": 5, "slices": []}]]}, "src"),
            ({"rounds": [[{"src": 0, "slices": [["model.norm.weight", "float32", [64], 0, 10, 99]]}]]}, "outside"),
-           ({"rounds": [[{"src": 0, "slices": [["x", "float32", [2**40, 2**20], 0, 0, 2**40]]}]]}, "exceed")]
+           ({"rounds": [[{"src": 0, "slices": [["x", "float32", [2**40, 2**20], 0, 0, 2**40]]}]]}, "exceed"),
+           # integer or boolean slices would truncate the weights they replace
+           ({"rounds": [[{"src": 0, "slices": [["model.norm.weight", "int64", [64], 0, 0, 64]]}]]}, "floating"),
+           ({"rounds": [[{"src": 0, "slices": [["model.norm.weight", "bool", [64], 0, 0, 64]]}]]}, "floating")]
 
     async def go() -> list[str]:
         out = []

@@ -380,11 +380,11 @@ class Api:
         """``/update_weights_from_shards`` (ours): receive slices from the trainer ranks that hold them, as the
         manifest lists, point to point over the group, and install the assembled tensors (``weights/wire.py``)."""
         b = await self._body(request)
-        version = _field(b, "weight_version", (str, int), None)
+        version = version_field(b, "weight_version", None)
         count = await self.weights.run(
-            self.engine.update_from_shards, manifest=_field(b, "manifest", dict), senders=_field(b, "senders", int),
-            group_name=_field(b, "group_name", str, "weight_update_group"),
-            version=None if version is None else str(version), timeout_s=self._join_timeout(b))
+            self.engine.update_from_shards, manifest=field(b, "manifest", dict), senders=field(b, "senders", int),
+            group_name=field(b, "group_name", str, "weight_update_group", max_chars=MAX_NAME_CHARS),
+            version=version, timeout_s=self._join_timeout(b))
         return web.json_response({"success": True, "message": f"updated {count} tensors"})
 
     async def update_disk(self, request: web.Request) -> web.Response:

@@ -211,7 +211,9 @@ def slice_spec(spec: object) -> tuple[str, torch.dtype, list[int], int, int, int
     name, dtype_name, shape, dim, start, stop = spec
     dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
     if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
-        raise ValueError(f"slice {spec!r}: bad name or dtype")
+        raise ValueError(f"slice {str(spec)[:200]}: bad name or dtype")
+    if not dtype.is_floating_point:  # weights are floats; an integer or bool tensor would truncate them
+        raise ValueError(f"slice of {name[:200]}: dtype {dtype_name} is not a floating-point dtype")
     if not isinstance(shape, list) or not shape or not all(isinstance(n, int) and n >= 0 for n in shape):
         raise ValueError(f"slice of {name}: shape {shape!r} is not a list of sizes")
     if not all(isinstance(v, int) for v in (dim, start, stop)) or not 0 <= dim < len(shape) \
