@@ -267,7 +267,7 @@ def run(args: argparse.Namespace, log=logger.info) -> list[dict]:
         step += 1
         trained_s += time.monotonic() - t
         log(f"plain step {step:3d}  generate {generated - t:5.1f} s ({generated_groups} groups), train "
-            f"{time.monotonic() - generated:5.1f} s on {kept} samples")
+            f"{time.monotonic() - generated:5.1f} s on {kept} samples, reward {groups.rewards.mean():.3f}")
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             evaluate()
     evaluate()
