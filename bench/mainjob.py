@@ -1,8 +1,8 @@
 """Run the main job (``megatron-areal train``) from a benchmark and read back what it recorded.
 
 Shared by the benchmarks that compare runs of the main job by their held-out evaluations
-(``train.eval_every``) and per-step metrics: ``bench/time_to_accuracy.py``,
-``bench/staleness_ablation.py``.
+(``train.eval_every``; each record in ``eval.jsonl`` carries the wall-clock ``time`` its result was
+known) and per-step metrics: ``bench/time_to_accuracy.py``, ``bench/staleness_ablation.py``.
 """
 from __future__ import annotations
 
@@ -39,6 +39,17 @@ def run_train(config: Path, run_dir: Path, overrides: list[str], timeout: float)
     if proc.returncode != 0:
         raise SystemExit(f"the main job failed ({proc.returncode}); logs in {RunDir(run_dir).logs}\n{err[-2000:]}")
     return wall
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+    """SIGTERM a command (the launcher stops its servers and trainer on the way out), SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def _jsonl(path: Path) -> list[dict]:

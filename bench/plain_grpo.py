@@ -9,15 +9,21 @@ Each step takes the next ``batch`` training prompts, generates ``group`` answers
 ``model.generate`` (temperature ``temperature``), scores them with the same verifier as the main
 job, normalises rewards within each group (groups whose rewards are all equal carry no signal and
 are skipped), and takes one token-level PPO-clip step (one update per batch, so the ratio is 1 and
-the clip never binds) with AdamW and gradient clipping. Held-out accuracy is greedy decoding of the
+the clip never binds) with AdamW and gradient clipping. That is the vanilla loop: a step whose groups
+were all equal trains nothing and still counts. With ``--dynamic-sampling`` a step is the main job's
+(``rollout.filter_equal_rewards``): all-equal groups are dropped and the next prompts generated until
+``batch`` informative groups are in hand (at most ``MAX_ROUNDS`` generate calls a step), so every
+step is an update. Held-out accuracy is greedy decoding of the
 main job's 200 fixed problems with the main job's chat template and answer check. It computes in the
 main job's ``model.dtype`` as the main job would on this CPU (``compute_dtype.runnable_dtype``: bf16
 only where the CPU multiplies bf16 natively), bf16 as a user writes it: ``torch.autocast`` over fp32
 weights and an fp32 AdamW.
 
 Held-out accuracy is measured before the first step and after the last (and every ``--eval-every``
-steps). ``--out FILE`` writes the evaluation points, the settings and the whole command's wall time
-as JSON. Used by ``bench/time_to_accuracy.py``; runs alone too:
+steps); each evaluation point carries the wall-clock time (Unix seconds) its result was known, and
+``--evals FILE`` appends each to a JSON-lines file as it is made (``bench/time_to_accuracy.py``
+watches it). ``--out FILE`` writes the evaluation points, the settings and the whole command's wall
+time as JSON. Used by ``bench/time_to_accuracy.py``; runs alone too:
 
     python bench/plain_grpo.py [--config configs/smollm2_arith.yaml] [--steps 20] --out plain.json [key=value ...]
 """
@@ -28,11 +34,15 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+MAX_ROUNDS = 64  # generate calls one dynamic-sampling step may make before it trains what it has
 
 
 def load(model_name: str, threads: int):
@@ -147,6 +157,61 @@ def grpo_step(model, optimizer, out: torch.Tensor, prompt_mask: torch.Tensor, re
     return int(keep.sum())
 
 
+@dataclass(frozen=True)
+class Groups:
+    """Sampled groups: ``out`` the prompts (left-padded to ``prompt_mask``'s width) and their replies, one row a
+    sample, ``group`` rows a prompt; ``rewards`` one a sample."""
+
+    out: torch.Tensor
+    prompt_mask: torch.Tensor
+    rewards: torch.Tensor
+
+    def informative(self, group: int) -> torch.Tensor:
+        """Per group: do its rewards differ (else its advantages are all zero)?"""
+        r = self.rewards.view(-1, group)
+        return r.max(1).values > r.min(1).values
+
+    def only(self, groups: torch.Tensor, group: int) -> Groups:
+        rows = groups.repeat_interleave(group)
+        return Groups(self.out[rows], self.prompt_mask[rows], self.rewards[rows])
+
+
+def concat_groups(parts: list[Groups], pad: int) -> Groups:
+    """Groups of several ``generate`` calls as one batch: prompts left-padded to the widest, replies right-padded
+    with ``pad`` (the eos id). Padding a reply never adds a trained token: a call whose replies are shorter than
+    another's stopped because every reply had ended with eos, and ``response_mask`` stops at the first eos."""
+    width = max(p.prompt_mask.shape[1] for p in parts)
+    length = max(p.out.shape[1] - p.prompt_mask.shape[1] for p in parts)
+    outs, masks = [], []
+    for p in parts:
+        w = p.prompt_mask.shape[1]
+        left, right = width - w, length - (p.out.shape[1] - w)
+        outs.append(torch.nn.functional.pad(p.out, (left, right), value=pad))
+        masks.append(torch.nn.functional.pad(p.prompt_mask, (left, 0), value=0))
+    return Groups(torch.cat(outs), torch.cat(masks), torch.cat([p.rewards for p in parts]))
+
+
+def informative_batch(sample: Callable[[int], Groups], batch: int, group: int, pad: int) -> tuple[Groups, int]:
+    """Dynamic sampling: ``sample(n)`` (the next ``n`` prompts' groups) until ``batch`` groups whose rewards differ
+    are in hand, or ``MAX_ROUNDS`` calls -> those groups (possibly fewer) and the groups generated."""
+    parts, have, generated = [], 0, 0
+    for _ in range(MAX_ROUNDS):
+        sampled = sample(batch - have)
+        generated += batch - have
+        keep = sampled.informative(group)
+        if keep.any():
+            parts.append(sampled.only(keep, group))
+            have += int(keep.sum())
+        if have == batch:
+            break
+    else:
+        logger.warning("dynamic sampling: %d of %d informative groups after %d generate calls", have, batch,
+                       MAX_ROUNDS)
+    if not parts:
+        return Groups(sampled.out[:0], sampled.prompt_mask[:0], sampled.rewards[:0]), generated
+    return concat_groups(parts, pad), generated
+
+
 def run(args: argparse.Namespace, log=logger.info) -> list[dict]:
     """``args.steps`` GRPO steps; held-out accuracy at step 0, every ``eval_every`` steps and at the end.
     Returns the evaluation points (``train_s``: seconds of training steps before it, evaluations excluded)."""
@@ -168,26 +233,41 @@ def run(args: argparse.Namespace, log=logger.info) -> list[dict]:
         t = time.monotonic()
         with autocast(dtype):
             acc = accuracy(model, tokenizer, held_out, max_new_tokens=args.max_new_tokens)
-        points.append({"step": step, "train_s": trained_s, "accuracy": acc, "eval_s": time.monotonic() - t})
+        point = {"step": step, "train_s": trained_s, "accuracy": acc, "n": len(held_out),
+                 "eval_s": time.monotonic() - t, "time": time.time()}
+        points.append(point)
+        if getattr(args, "evals", None):
+            with open(args.evals, "a") as f:
+                f.write(json.dumps(point) + "\n")
         log(f"plain step {step:3d}  train {trained_s:6.0f} s  held-out {100 * acc:.1f}%")
 
-    evaluate()
-    while step < args.steps:
-        t = time.monotonic()
-        prompts = [next(prompts_in_order) for _ in range(args.batch)]
+    def sample(n: int) -> Groups:
+        """The next ``n`` training prompts, ``group`` sampled replies each, scored."""
+        prompts = [next(prompts_in_order) for _ in range(n)]
         model.eval()
         with autocast(dtype):
             out, prompt_mask = generate(model, tokenizer, encode(tokenizer, prompts), n=args.group,
                                         max_new_tokens=args.max_new_tokens, temperature=args.temperature)
         texts = replies(tokenizer, out, prompt_mask.shape[1])
         rewards = torch.tensor([verify_number(x, prompts[i // args.group].answer).reward for i, x in enumerate(texts)])
+        return Groups(out, prompt_mask, rewards)
+
+    evaluate()
+    while step < args.steps:
+        t = time.monotonic()
+        if getattr(args, "dynamic_sampling", False):
+            groups, generated_groups = informative_batch(sample, args.batch, args.group, tokenizer.pad_token_id)
+        else:
+            groups, generated_groups = sample(args.batch), args.batch
         generated = time.monotonic()
-        kept = grpo_step(model, optimizer, out, prompt_mask, rewards, args.group, tokenizer.eos_token_id,
-                         eps_clip=args.eps_clip, clip_grad=args.clip_grad, dtype=dtype)
+        kept = 0
+        if len(groups.rewards):
+            kept = grpo_step(model, optimizer, groups.out, groups.prompt_mask, groups.rewards, args.group,
+                             tokenizer.eos_token_id, eps_clip=args.eps_clip, clip_grad=args.clip_grad, dtype=dtype)
         step += 1
         trained_s += time.monotonic() - t
-        log(f"plain step {step:3d}  generate {generated - t:5.1f} s, train {time.monotonic() - generated:5.1f} s on "
-            f"{kept} samples, reward {rewards.mean():.3f}")
+        log(f"plain step {step:3d}  generate {generated - t:5.1f} s ({generated_groups} groups), train "
+            f"{time.monotonic() - generated:5.1f} s on {kept} samples, reward {groups.rewards.mean():.3f}")
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             evaluate()
     evaluate()
@@ -210,6 +290,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (model.dtype; bf16 falls back to fp32 where the CPU has no native bf16)")
     parser.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: end only)")
+    parser.add_argument("--dynamic-sampling", action="store_true",
+                        help="regenerate until every step has --batch informative groups (the main job's "
+                             "rollout.filter_equal_rewards); default: the vanilla loop, a step of all-equal groups "
+                             "trains nothing and counts")
+    parser.add_argument("--evals", type=Path, default=None,
+                        help="append each evaluation point (with its wall-clock time) to this JSON-lines file")
     parser.add_argument("override", nargs="*", help="key=value overrides of the main job's config, as for train")
 
 
@@ -231,7 +317,8 @@ def fill_from_config(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-SETTINGS = ("lr", "batch", "group", "steps", "temperature", "max_new_tokens", "seed", "data_seed", "threads", "dtype")
+SETTINGS = ("lr", "batch", "group", "steps", "temperature", "max_new_tokens", "seed", "data_seed", "threads", "dtype",
+            "dynamic_sampling")
 
 
 def main() -> None:

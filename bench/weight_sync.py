@@ -1,16 +1,22 @@
 """Weight sync from a TP2 x PP2 trainer to two embedded servers, against a raw gloo broadcast.
 
-In one run, between the same processes: each trainer stage head and each server process first
-exchange the weights through ``WeightSync.sync`` (pause, TP gather, HF conversion, buckets over
-``/update_weights_from_distributed``, install, continue), then broadcast the same number of bytes
-in the same bucket-sized pieces over a plain gloo group (``WeightUpdateGroup``) with nothing
-else. The servers run the real embedded server in their main thread and the raw receiver in a
-side thread. Prints seconds per sync, bytes moved, the effective-bandwidth ratio and the stage
-heads' peak extra memory (resident-set high-water mark during a sync) against one bucket.
+In one run, between the same processes: the trainer pushes its weights through ``WeightSync.sync``
+(pause, every trainer rank cutting its own HF slices, buckets point to point, install, continue; the
+shard push, ``weights.transfer: auto``), then each stage head broadcasts the same number of bytes in the
+same bucket-sized pieces over a plain gloo group (``WeightUpdateGroup``) with nothing else, both stages
+at once. The servers run the real embedded server in their main thread and the raw receiver in a side
+thread. Before timing, the trainer's weights are perturbed and every server's per-tensor sha256 is
+compared with the HF tensors the stage heads gather and convert (``weights/gather.py``, the conversion's
+path): a difference exits non-zero without a RESULT line.
+
+Prints seconds per sync, bytes moved, the bytes each trainer rank sent, the ranks' peak extra memory
+(resident-set high-water mark during a sync, and the push's own bucket buffers) against one bucket,
+and the transfer plan's rows (dense and Qwen3-MoE at EP2, servers at TP1 and TP2).
 
     python bench/weight_sync.py [--hidden 512 --layers 8 --bucket-mb 16 --repeats 3 --tp 2 --pp 2]
 
-Last line: ``RESULT weight_sync_vs_raw <ratio>`` (raw seconds / sync seconds, medians).
+Last lines: ``RESULT weight_sync_vs_raw <ratio>`` (raw seconds / sync seconds, medians) and
+``RESULT weight_push_busiest_share <x>`` (the plan's, TP2 x PP2 to two servers at TP2).
 """
 from __future__ import annotations
 
@@ -80,7 +86,33 @@ def _t_setup(model_dir: str, urls: list[str], bucket_mb: float, tp: int, pp: int
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
     config = WeightsConfig(bucket_mb=bucket_mb, timeout_s=300.0, master_address="127.0.0.1")
-    _STATE.update(groups=groups, sync=WeightSync(chunks, arch, groups, urls, config=config))
+    _perturb(chunks, groups.tp_rank)  # the servers hold the HF weights: make a push change every tensor
+    _STATE.update(groups=groups, arch=arch, chunks=chunks,
+                  sync=WeightSync(chunks, arch, groups, urls, config=config))
+
+
+@torch.no_grad()
+def _perturb(chunks: list, tp_rank: int) -> None:
+    """A seeded change of every parameter, the same on every TP rank for replicated ones."""
+    import zlib
+
+    from megatron_areal.model import mapping
+    from megatron_areal.model.weights import named_global_params
+
+    for chunk in chunks:
+        for name, p in named_global_params(chunk):
+            split = mapping.tp_dim(name) is not None
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 10 + (tp_rank if split else 0))
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _t_reference() -> dict[str, str]:
+    """sha256 of every HF tensor as the stage heads gather and convert it (the conversion's path)."""
+    from megatron_areal.server.weights import tensor_checksum
+    from megatron_areal.weights.gather import stage_hf_tensors
+
+    return {name: tensor_checksum(t) for name, t in stage_hf_tensors(_STATE["chunks"], _STATE["arch"],
+                                                                      _STATE["groups"])}
 
 
 def _t_sync(version: str) -> dict[str, Any]:
@@ -95,12 +127,12 @@ def _t_sync(version: str) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "bytes": result.bytes_sent, "max_bucket": result.max_bucket_bytes,
             "parts": (result.gather_seconds, result.broadcast_seconds, result.reply_seconds),
-            "extra_kb": _rss_kb("VmHWM") - rss,
+            "extra_kb": _rss_kb("VmHWM") - rss, "wire": result.wire_bytes, "peak": result.peak_buffer_bytes,
             "head": sync.is_head, "stage": sync.groups.pp_rank}
 
 
 def _t_record_pieces() -> list[int]:
-    """Bucket sizes this head sends (one more sync, recorded through the progress hook)."""
+    """Bucket sizes this rank sends (one more sync, recorded through the progress hook)."""
     sync, pieces = _STATE["sync"], []
     sync.on_bucket = lambda i, bucket: pieces.append(bucket.nbytes)
     sync.sync("pieces")
@@ -118,12 +150,12 @@ def _t_raw_join(ports: list[int], world: int) -> None:
                                           world_size=world, group_name=f"raw{groups.pp_rank}", timeout_s=300)
 
 
-def _t_raw() -> float:
+def _t_raw(pieces_per_stage: list[list[int]]) -> float:
     import torch.distributed as dist
 
     dist.barrier()
     start = time.perf_counter()
-    raw, pieces = _STATE.get("raw"), _STATE["pieces"]
+    raw, pieces = _STATE.get("raw"), pieces_per_stage[_STATE["groups"].pp_rank]
     if raw is not None:
         buffer = torch.ones(max(pieces), dtype=torch.uint8)
         for n in pieces:
@@ -191,8 +223,13 @@ def main() -> None:
         for url in urls:
             _wait_healthy(url)
         pool.run(_t_setup, str(model), urls, args.bucket_mb, args.tp, args.pp)
-        pool.run(_t_sync, "warmup")  # forms the stage groups
-        pieces = pool.run(_t_record_pieces)
+        pool.run(_t_sync, "warmup")  # forms the groups
+        _verify(urls, pool.run(_t_reference))
+        recorded = pool.run(_t_record_pieces)
+        # the raw arm: each stage's head broadcasts the bytes its stage's ranks sent, in the same pieces
+        stage_of = [rank // (args.tp * (len(recorded) // (args.tp * args.pp))) for rank in range(len(recorded))]
+        pieces = [[n for rank, sizes in enumerate(recorded) if stage_of[rank] == stage for n in sizes]
+                  for stage in range(args.pp)]
         raw_ports = [free_port() for _ in range(args.pp)]
         world = 1 + len(servers)
         for stage in range(args.pp):
@@ -202,16 +239,17 @@ def main() -> None:
         pool.run(_t_raw_join, raw_ports, world)
         heads = {r["stage"]: rank for rank, r in enumerate(pool.run(_t_sync, "check")) if r["head"]}
         _acks(links, args.pp)
+        _verify(urls, pool.run(_t_reference))
         syncs, raws = [], []
         for i in range(args.repeats):
             results = pool.run(_t_sync, str(i + 1))
             syncs.append(results)
-            for stage, rank in heads.items():
+            for stage in heads:
                 for inbox, _ in links:
-                    inbox.put(("recv", f"raw{stage}", {"pieces": pieces[rank]}))
-            raws.append(max(pool.run(_t_raw)))
+                    inbox.put(("recv", f"raw{stage}", {"pieces": pieces[stage]}))
+            raws.append(max(pool.run(_t_raw, pieces)))
             _acks(links, args.pp)
-        _report(args, syncs, raws, heads, pieces)
+        _report(args, model, syncs, raws, heads, pieces)
     finally:
         try:
             pool.run(_t_close)
@@ -229,7 +267,50 @@ def _acks(links: list[tuple[Any, Any]], stages: int) -> None:
             outbox.get(timeout=300)
 
 
-def _report(args: argparse.Namespace, syncs: list[list[dict[str, Any]]], raws: list[float],
+def _verify(urls: list[str], references: list[dict[str, str]]) -> None:
+    """Every server holds, bit for bit, the HF tensors the stage heads gather; exit 1 naming what differs."""
+    import json
+    import sys
+    import urllib.request
+
+    want = {name: sha for ref in references for name, sha in ref.items()}
+    for url in urls:
+        with urllib.request.urlopen(url + "/weights_checksum", timeout=120) as r:
+            got = {n: v["sha256"] for n, v in json.loads(r.read())["checksums"].items()}
+        wrong = sorted(n for n in want if got.get(n) != want[n])
+        if wrong or not want:
+            print(f"WRONG: {url} differs from the trainer's weights in {len(wrong)} of {len(want)} tensors: "
+                  f"{wrong[:5]}", flush=True)
+            sys.exit(1)
+
+
+def _plan_rows(model: Path, tp: int, pp: int) -> float:
+    """The transfer plan's busiest share for the bench's model and a Qwen3-MoE of its size (8 experts, EP2),
+    servers at TP1 and TP2 (two of them); returns the dense one at TP2 servers (the RESULT)."""
+    from megatron_areal.model.arch import ModelArch, load_arch
+    from megatron_areal.weights.plan import ServerLayout, TrainerLayout, make_plan, stage_head_share
+
+    dense = load_arch(model)
+    moe = ModelArch(**{**dense.to_dict(), "model_type": "qwen3_moe", "qk_norm": True, "num_experts": 8,
+                       "num_experts_per_tok": 2, "moe_intermediate_size": dense.hidden_size})
+    models = {f"dense ({dense.model_type})": (dense, 1), "qwen3-moe EP2": (moe, 2)}
+    print(f"transfer plan, trainer TP{tp} PP{pp}, two servers (busiest trainer rank's bytes / the mean):")
+    result = 0.0
+    for label, (arch, ep) in models.items():
+        for server_tp in (1, 2):
+            plan = make_plan(arch, TrainerLayout(tp, pp, 1, ep), ServerLayout(2, server_tp, sharded=server_tp > 1),
+                             dtype_bytes=4)
+            sent = plan.bytes_per_sender()
+            share = plan.busiest_share()
+            print(f"  {label:14s} servers TP{server_tp}: share {share:.3f} (stage heads: "
+                  f"{stage_head_share(plan.trainer):.2f}), per rank MiB "
+                  + " ".join(f"{n / 2**20:.1f}" for n in sent.values()))
+            if label.startswith("dense") and server_tp == 2:
+                result = share
+    return result
+
+
+def _report(args: argparse.Namespace, model: Path, syncs: list[list[dict[str, Any]]], raws: list[float],
             heads: dict[int, int], pieces: list[list[int]]) -> None:
     sync_s = statistics.median(max(r["seconds"] for r in results) for results in syncs)
     raw_s = statistics.median(raws)
@@ -237,18 +318,27 @@ def _report(args: argparse.Namespace, syncs: list[list[dict[str, Any]]], raws: l
     per_server = first[0]["bytes"]
     bucket = int(args.bucket_mb * 2**20)
     print(f"model: llama hidden={args.hidden} layers={args.layers}, trainer TP{args.tp} PP{args.pp}, "
-          f"2 embedded servers, bucket {args.bucket_mb:g} MiB, {args.repeats} repeats (medians)")
+          f"2 embedded servers (TP1), bucket {args.bucket_mb:g} MiB, {args.repeats} repeats (medians); "
+          "weights verified on both servers")
     print(f"bytes per server:        {per_server / 2**20:10.1f} MiB in {sum(len(p) for p in pieces)} buckets "
           f"({per_server * 2 / 2**20:.1f} MiB sent in all)")
     print(f"seconds per sync:        {sync_s:10.3f}   ({per_server * 2 / sync_s / 2**20:.1f} MiB/s effective)")
-    parts = [statistics.median(results[0]["parts"][i] for results in syncs) for i in range(3)]
-    print(f"  busiest stage head:    {parts[0]:.3f} s gather+convert+pack, {parts[1]:.3f} s broadcast, "
-          f"{parts[2]:.3f} s waiting for the servers' installs")
-    print(f"raw gloo broadcast:      {raw_s:10.3f}   ({per_server * 2 / raw_s / 2**20:.1f} MiB/s)")
-    for stage, rank in sorted(heads.items()):
-        extra = max(results[rank]["extra_kb"] for results in syncs) * 1024
-        print(f"stage {stage} head peak extra: {extra / 2**20:8.1f} MiB = {extra / bucket:.2f} x one bucket")
+    parts = [statistics.median(max(r["parts"][i] for r in results) for results in syncs) for i in range(3)]
+    print(f"  busiest trainer rank:  {parts[0]:.3f} s convert+pack, {parts[1]:.3f} s waiting for the wire, "
+          f"{parts[2]:.3f} s the whole push with the servers' installs")
+    print(f"raw gloo broadcast:      {raw_s:10.3f}   ({per_server * 2 / raw_s / 2**20:.1f} MiB/s; stage heads, "
+          "both stages at once)")
+    wire = first[0]["wire"]
+    if wire:
+        print("bytes sent per trainer rank (MiB): " + " ".join(f"{n / 2**20:.1f}" for n in wire)
+              + f"  -> measured busiest share {max(wire) / (sum(wire) / len(wire)):.3f} (servers TP1)")
+    extra = max(max(r["extra_kb"] for r in results) for results in syncs) * 1024
+    buffers = max(max(r["peak"] for r in results) for results in syncs)
+    print(f"peak extra memory on any trainer rank: {extra / 2**20:.1f} MiB = {extra / bucket:.2f} buckets "
+          f"(resident-set high-water mark); the push's bucket buffers {buffers / bucket:.2f} buckets")
+    share = _plan_rows(model, args.tp, args.pp)
     print(f"RESULT weight_sync_vs_raw {raw_s / sync_s:.3f}")
+    print(f"RESULT weight_push_busiest_share {share:.3f}")
 
 
 if __name__ == "__main__":

@@ -152,8 +152,8 @@ def test_disk_weight_folder_naming_a_file_is_refused(tmp_path: Path) -> None:
     file = tmp_path / "weights"
     file.write_text("")
     with pytest.raises(ConfigError, match="weights.disk_dir"):
-        load_config(None, ["realloc.method=disk", f"realloc.disk_dir={file}"])
-    assert load_config(None, ["realloc.method=disk", f"realloc.disk_dir={tmp_path / 'new'}"])
+        load_config(None, ["weights.method=disk", f"weights.disk_dir={file}"])
+    assert load_config(None, ["weights.method=disk", f"weights.disk_dir={tmp_path / 'new'}"])
 
 
 def test_dry_run_fails_on_a_missing_eval_dataset(tiny_llama, capsys: pytest.CaptureFixture[str],

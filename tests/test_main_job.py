@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def tiny_config(run_dir: Path) -> dict:
 
 def train(config: Path, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "megatron_areal.cli", "train", str(config), *overrides]
+    started = time.time()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -61,7 +63,9 @@ def train(config: Path, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> subp
             proc.terminate()  # SIGTERM: the launcher stops its servers and trainer on the way out
             out, err = proc.communicate(timeout=60)
             pytest.fail(f"train did not finish within {timeout:.0f} s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    done.started, done.ended = started, time.time()  # the command's span on the wall clock
+    return done
 
 
 def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -140,6 +144,18 @@ def test_config_typo_fails_before_anything_starts(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "ppo.eps_clp" in result.stderr and "eps_clip" in result.stderr, result.stderr
     assert not (tmp_path / "run").exists(), "the run directory was created although the config is wrong"
+
+
+@pytest.mark.slow
+def test_each_evaluation_records_when_its_result_was_known(run: tuple) -> None:
+    """bench/time_to_accuracy.py reads the time to an accuracy level from eval.jsonl on the same clock as a
+    baseline's: each evaluation carries the wall-clock time inside the command's span, in order."""
+    _, run_dir, result = run
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert all("time" in e for e in evals), f"an evaluation without its time: {evals}"
+    times = [e["time"] for e in evals]
+    assert result.started < times[0] <= times[-1] < result.ended, (result.started, times, result.ended)
+    assert times == sorted(times), times
 
 
 @pytest.mark.slow

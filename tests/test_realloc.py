@@ -33,7 +33,7 @@ _STATE: dict[str, Any] = {}  # per worker process: the trainer's model and Weigh
 
 # ---- trainer side (runs on every rank of the pool) ------------------------------------------
 def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, tp: int = TP, pp: int = PP,
-             flat: bool = True) -> None:
+             flat: bool = True, transfer: str = "auto") -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.model.arch import load_arch
@@ -48,7 +48,8 @@ def _w_setup(model_dir: str, urls: list[str], bucket_mb: float, disk_dir: str, t
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
-    config = WeightsConfig(bucket_mb=bucket_mb, timeout_s=10.0, master_address="127.0.0.1", flattened_bucket=flat)
+    config = WeightsConfig(bucket_mb=bucket_mb, timeout_s=10.0, master_address="127.0.0.1", flattened_bucket=flat,
+                           transfer=transfer)
     disk = WeightsConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0, master_address="127.0.0.1")
     _STATE.update(groups=groups, arch=arch, chunks=chunks, model_dir=model_dir,
                   sync=WeightSync(chunks, arch, groups, urls, config=config),
@@ -98,7 +99,7 @@ def _w_sync(version: str, pid: int | None = None, signum: int = signal.SIGKILL,
     finally:
         sync.on_bucket = None
     return {"servers": r.servers, "dropped": r.dropped, "bytes": r.bytes_sent, "buckets": r.buckets,
-            "max_bucket": r.max_bucket_bytes}
+            "max_bucket": r.max_bucket_bytes, "wire": r.wire_bytes, "peak": r.peak_buffer_bytes}
 
 
 def _w_add(url: str) -> list[str]:
@@ -236,6 +237,9 @@ def test_sync_matches_conversion_on_both_servers(world: dict[str, Any]) -> None:
     r = results[0]
     assert r["servers"] == urls and not r["dropped"]
     assert r["buckets"] > 4 and r["max_bucket"] <= 0.05 * 2**20  # many small buckets, none over the size
+    # every trainer rank sent its own share (no stage head gathers), within a bounded bucket memory
+    assert len(r["wire"]) == 4 and max(r["wire"]) <= 1.25 * sum(r["wire"]) / 4, r["wire"]
+    assert r["peak"] <= 2 * 0.05 * 2**20 + 1, r["peak"]
     ref = _reference(world, "v1")
     assert _get(urls[0], "/weights_checksum")["checksums"] != before  # the weights really changed
     prompt = [5, 17, 33, 2, 60, 9]
@@ -243,6 +247,18 @@ def test_sync_matches_conversion_on_both_servers(world: dict[str, Any]) -> None:
     for url in urls:
         _assert_serves(url, ref, "1")
         assert _greedy(url, prompt, 12) == expected
+
+
+def test_stage_head_path_matches_conversion(world: dict[str, Any]) -> None:
+    """The path SGLang gets (stage heads gather and broadcast whole tensors), here into embedded servers."""
+    urls = [s.url for s in world["servers"]]
+    world["pool"].run(_w_setup, str(world["model"]), urls, 0.05, str(world["root"] / "disk-heads"), TP, PP, True,
+                      "stage_heads")
+    r = world["pool"].run(_w_sync, "1")[0]
+    assert r["servers"] == urls and not r["dropped"] and r["wire"] == []  # no shard push
+    ref = _reference(world, "heads")
+    for url in urls:
+        _assert_serves(url, ref, "1")
 
 
 def test_disk_path_and_next_version(world: dict[str, Any]) -> None:

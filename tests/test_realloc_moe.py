@@ -30,7 +30,8 @@ _STATE: dict[str, Any] = {}
 
 
 # ---- trainer side (every rank of the pool) ---------------------------------------------------
-def _w_setup(model_dir: str, url: str, tp: int, pp: int, ep: int, etp: int, disk_dir: str = "") -> dict[str, int]:
+def _w_setup(model_dir: str, url: str, tp: int, pp: int, ep: int, etp: int, disk_dir: str = "",
+             transfer: str = "auto") -> dict[str, int]:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
     from megatron_areal.model.arch import load_arch
@@ -45,7 +46,7 @@ def _w_setup(model_dir: str, url: str, tp: int, pp: int, ep: int, etp: int, disk
     chunks = build_model(arch, groups, sequence_parallel=tp > 1)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp, etp_rank=groups.etp_rank, etp_size=groups.etp)
     _perturb(chunks, groups)
-    config = WeightsConfig(bucket_mb=0.02, timeout_s=20.0, master_address="127.0.0.1")
+    config = WeightsConfig(bucket_mb=0.02, timeout_s=20.0, master_address="127.0.0.1", transfer=transfer)
     if disk_dir:
         config = WeightsConfig(method="disk", disk_dir=disk_dir, timeout_s=30.0)
     _STATE.update(groups=groups, arch=arch, chunks=chunks, model_dir=model_dir,
@@ -124,7 +125,8 @@ def _checksums(url: str) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-@pytest.mark.parametrize("layout,method", [*((layout, "distributed") for layout in LAYOUTS), ((2, 1, 2, 2), "disk")],
+@pytest.mark.parametrize("layout,method", [*((layout, "distributed") for layout in LAYOUTS), ((2, 1, 2, 2), "disk"),
+                                           ((2, 1, 2, 2), "stage_heads")],
                          ids=lambda v: "tp{}-pp{}-ep{}-etp{}".format(*v) if isinstance(v, tuple) else v)
 def test_every_expert_reaches_the_server_as_conversion_gives_it(layout, method, model, pool, server, tmp_path) -> None:
     coords = _push_and_compare(model, server.url, pool, layout, method, tmp_path)
@@ -152,7 +154,8 @@ def _push_and_compare(model: Path, url: str, pool, layout: tuple[int, int, int, 
     from megatron_areal.server.weights import read_safetensors, tensor_checksum
 
     disk = str(tmp_path / "disk") if method == "disk" else ""
-    coords = pool.run(_w_setup, str(model), url, *layout, disk)
+    transfer = "stage_heads" if method == "stage_heads" else "auto"  # distributed: the shard push
+    coords = pool.run(_w_setup, str(model), url, *layout, disk, transfer)
     version = "".join(map(str, layout)) + str(len(method))  # integers, as the trainer pushes them
     results = pool.run(_w_sync, version)
     assert results[0]["servers"] == [url] and not results[0]["dropped"], results[0]

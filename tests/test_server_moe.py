@@ -426,7 +426,7 @@ def test_client_body_fields_are_sglangs_and_bad_routes_fail_the_sample(monkeypat
                                                  "output_token_logprobs": [[-1.0, 7, None]]}}
 
     async def post() -> GenerateResult:
-        monkeypatch.setattr(RolloutClient, "_request", request)
+        monkeypatch.setattr(RolloutClient, "request", request)
         async with RolloutClient("http://127.0.0.1:1") as c:
             return await c.generate([1, 2, 3], {"max_new_tokens": 1}, rid="x", return_routed_experts=True,
                                     routed_experts_start_len=2)

@@ -225,7 +225,7 @@ def _w_push_pp2(model_dir: str, urls: list[str], version: str) -> list[str]:
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
     config = WeightsConfig(bucket_mb=0.05, timeout_s=60.0, master_address="127.0.0.1")
-    sync = WeightSync(chunks, arch, groups, urls, config=config)
+    sync = WeightSync(chunks, arch, groups, urls, config=config, engine="sglang")  # the stage heads' path
     try:
         return sync.sync(version).servers
     finally:
@@ -277,7 +277,7 @@ def _w_sync_one_rank(model_dir: str, urls: list[str], version: str) -> dict[str,
     load_hf_weights(chunks, model_dir, arch, 0, 1)
     dropped: list[str] = []
     sync = WeightSync(chunks, arch, groups, urls, config=WeightsConfig(timeout_s=60.0, master_address="127.0.0.1"),
-                      on_drop=lambda url, reason: dropped.append(url))
+                      on_drop=lambda url, reason: dropped.append(url), engine="sglang")
     try:
         result = sync.sync(version)
         return {"servers": result.servers, "dropped": dropped}

@@ -39,7 +39,7 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
 
     groups = init_parallel(tp=TP, pp=PP, backend="gloo")
     arch = load_arch(model_dir)
-    chunks = build_model(arch, tp=TP, pp=PP, pp_rank=groups.pp_rank)
+    chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp)
     with torch.no_grad():  # new weights, so the servers' start is stale
         for chunk in chunks:
@@ -180,8 +180,7 @@ def _w_checksums_of_layout(model_dir: str, tp: int, pp: int, ep: int) -> dict[st
     groups = init_parallel(tp=tp, pp=pp, backend="gloo", ep=ep, etp=1)
     try:
         arch = load_arch(model_dir)
-        chunks = build_model(arch, tp=tp, pp=pp, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank,
-                             sequence_parallel=tp > 1, ep=ep, etp=1, etp_rank=groups.etp_rank)
+        chunks = build_model(arch, groups, sequence_parallel=tp > 1)
         load_hf_weights(chunks, model_dir, arch, groups.tp_rank, groups.tp, etp_rank=groups.etp_rank, etp_size=1)
         return trainer_sums(chunks, arch, groups, {}, None)
     finally:

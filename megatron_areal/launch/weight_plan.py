@@ -13,8 +13,8 @@ def describe_weight_push(cfg: Config, plan: Plan) -> str:
     if arch is None:
         return "weight push plan: the model's architecture is not known here (not a local folder or a catalogued name)"
     t = plan.trainer
-    trainer = TrainerLayout(t.tp, t.pp, t.dp, cfg.parallel.ep, cfg.parallel.etp)
-    try:
+    try:  # a layout the checks refuse has no plan; their messages say why
+        trainer = TrainerLayout(t.tp, t.pp, t.dp, cfg.parallel.ep, cfg.parallel.etp)
         push = make_plan(arch, trainer, ServerLayout(len(plan.servers), plan.server_tp, sharded=True),
                          dtype_bytes=2 if cfg.model.dtype in ("bfloat16", "float16") else 4)
     except ValueError as e:

@@ -46,7 +46,7 @@ def truncate_after(path: str | Path, step: int) -> None:
 
 
 def append_eval(run_dir: str | Path, record: dict) -> None:
-    """Append one evaluation (``{"step", "label", "accuracy", "n"}``) to ``RUN_DIR/eval.jsonl``."""
+    """Append one evaluation (``{"step", "label", "accuracy", "n", "time"}``) to ``RUN_DIR/eval.jsonl``."""
     with open(RunDir(run_dir).evals, "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()

@@ -98,6 +98,7 @@ class Api:
         r.add_post("/init_weights_update_group", self.init_group)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_distributed", self.update_distributed)
+        r.add_post("/update_weights_from_shards", self.update_shards)
         r.add_post("/update_weights_from_disk", self.update_disk)
         r.add_post("/update_weights_from_tensor", self.update_tensor)
         r.add_post("/begin_weight_update", self.begin_update)
@@ -374,6 +375,17 @@ class Api:
             self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
             group_name=group_name, version=version, flattened=load_format == "flattened_bucket")
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
+
+    async def update_shards(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_shards`` (ours): receive slices from the trainer ranks that hold them, as the
+        manifest lists, point to point over the group, and install the assembled tensors (``weights/wire.py``)."""
+        b = await self._body(request)
+        version = version_field(b, "weight_version", None)
+        count = await self.weights.run(
+            self.engine.update_from_shards, manifest=field(b, "manifest", dict), senders=field(b, "senders", int),
+            group_name=field(b, "group_name", str, "weight_update_group", max_chars=MAX_NAME_CHARS),
+            version=version, timeout_s=self._join_timeout(b))
+        return web.json_response({"success": True, "message": f"updated {count} tensors"})
 
     async def update_disk(self, request: web.Request) -> web.Response:
         """``/update_weights_from_disk``: load the whole model from a folder."""

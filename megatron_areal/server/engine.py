@@ -34,7 +34,7 @@ from megatron_areal.server.weights import (
     read_safetensors,
 )
 from megatron_areal.util.compute_dtype import runnable_dtype
-from megatron_areal.weights.wire import WeightUpdateGroup
+from megatron_areal.weights.wire import WeightUpdateGroup, WireError, check_manifest, receive_slices
 
 log = logging.getLogger(__name__)
 # While the model cannot step, an idle runner probes it this often, so /health recovers (after a
@@ -480,7 +480,38 @@ class Engine:
             tensors = _receive(group, specs, sizes)
         self._install(tensors, version, complete=False)
 
-    def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool) -> None:
+    def update_from_shards(self, *, manifest: object, senders: int, group_name: str, version: str | None,
+                           timeout_s: float | None = None) -> int:
+        """Receive the slices the manifest lists from the trainer ranks that hold them (``weights/wire.py``),
+        installing each round's completed tensors; returns the tensors installed. A manifest that cannot
+        describe a receive is refused before any is posted; a sender that fails is named."""
+        self.require_update_session("update_weights_from_shards")
+        limit = 8 * sum(t.numel() for t in self.model.state_dict().values())  # fp32, twice over
+        try:
+            rounds = check_manifest(manifest, senders=senders, max_bytes=limit)
+        except ValueError as e:
+            raise WeightError(str(e)) from None
+        group = self.groups.get(group_name)
+        if group is None:
+            raise WeightError(f"no weight update group {group_name!r}; call /init_weights_update_group")
+        if not 1 <= senders < group.world_size:
+            raise WeightError(f"senders: {senders} does not fit a group of {group.world_size} with this server in it")
+        timeout_s = self.opts.weight_group_timeout_s if timeout_s is None else timeout_s
+        with one_thread():
+            try:
+                count = receive_slices(group.pg, rounds, timeout_s=timeout_s, device=group.device,
+                                       on_round=lambda tensors: self._install(tensors, None, complete=False,
+                                                                              announce=False))
+            except WireError as e:
+                raise WeightError(str(e)) from None
+        if version is not None:
+            with self._lock:
+                self.weight_version = str(version)
+        log.info("weights updated (%d tensors), version %s", count, self.weight_version)
+        return count
+
+    def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool,
+                 announce: bool = True) -> None:
         with self._lock, one_thread():
             load_weights(self.model, tensors, complete=complete)
             if version is not None:
@@ -489,7 +520,8 @@ class Engine:
             # prefilled again from prompt + tokens so far, under the new weights.
             self._retract()
         self._work.set()
-        log.info("weights updated (%d tensors), version %s", len(tensors), self.weight_version)
+        if announce:  # a shard push announces once, with its version, when every round is in
+            log.info("weights updated (%d tensors), version %s", len(tensors), self.weight_version)
 
 
 def _check_membership(*, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str,

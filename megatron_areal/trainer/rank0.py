@@ -219,7 +219,10 @@ def evaluate_held_out(duties: Rank0Duties, step: int, label: str) -> float | Non
     if hasattr(result, "tool_use"):
         logger.info("eval %s (step %d): the model called a tool in %.1f%% of the episodes", label, step,
                     100 * result.tool_use)
-    append_eval(cfg.train.run_dir, {"step": step, "label": label, "accuracy": result.accuracy, "n": result.n})
+    # "time": the wall clock (Unix seconds) when the result was known, so a benchmark reads the time to
+    # an accuracy level on the same clock as a baseline's (bench/time_to_accuracy.py)
+    append_eval(cfg.train.run_dir, {"step": step, "label": label, "accuracy": result.accuracy, "n": result.n,
+                                    "time": time.time()})
     return result.accuracy
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megatron_areal.weights.wire import join_group
+from megatron_areal.weights.wire import check_manifest, join_group, receive_slices
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,17 @@ class GroupInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GroupUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket: the body of ``/update_weights``'s ``update_info``."""
+    """One bucket, or a whole shard push: the body of ``/update_weights``'s ``update_info``."""
 
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
     flattened: bool = False
     group_name: str | None = None  # checked against the group this worker joined, when given
+    # a shard push (``weights/wire.py``): slices from ``senders`` trainer ranks, point to point, as listed
+    manifest: dict[str, Any] | None = None
+    senders: int = 0
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
@@ -117,6 +121,9 @@ class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateI
         if update_info.group_name is not None and update_info.group_name != self.group_name:
             raise ValueError(f"update_info.group_name {update_info.group_name!r} is not the group this worker "
                              f"joined ({self.group_name!r})")
+        if update_info.manifest is not None:
+            self._receive_shards(update_info)
+            return
         dtypes = [getattr(torch, d) for d in update_info.dtypes]
         if update_info.flattened:
             weights = self._receive_flat(update_info.names, dtypes, update_info.shapes)
@@ -127,6 +134,13 @@ class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateI
                 dist.broadcast(tensor, group=self.group, group_src=0)
                 weights.append((name, tensor))
         self.model.load_weights(weights)
+
+    def _receive_shards(self, update_info: GroupUpdateInfo) -> None:
+        """Assemble whole HF tensors from the trainer ranks' slices; vLLM's loader cuts this worker's part."""
+        limit = 8 * sum(p.numel() for p in self.model.parameters())  # fp32, twice over
+        rounds = check_manifest(update_info.manifest, senders=update_info.senders, max_bytes=limit)
+        receive_slices(self.group, rounds, timeout_s=update_info.timeout_s, device=self.device,
+                       on_round=lambda tensors: self.model.load_weights(list(tensors.items())))
 
     def _receive_flat(self, names: list[str], dtypes: list[torch.dtype],
                       shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:

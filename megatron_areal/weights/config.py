@@ -27,12 +27,18 @@ class WeightsConfig:
     # (weights/verify.py); a mismatch stops the run naming the tensor, the server and the version. Embedded
     # and vLLM servers (on vLLM's CPU build only the embedding, norms and output layer); refused for SGLang
     verify: bool = False
+    # how the bytes travel: "shards" (every trainer rank sends its own slices; the embedded server and
+    # vLLM), "stage_heads" (each stage's head gathers and broadcasts whole tensors; what SGLang takes),
+    # "auto": shards where the engine receives them, else stage heads
+    transfer: Literal["auto", "shards", "stage_heads"] = "auto"
+    buckets_in_flight: int = 2  # shard push: buckets per rank packed or on the wire at once (its memory)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad key; ``load_config`` calls it for every section."""
         require(self.bucket_mb > 0, "bucket_mb", "must be > 0")
         require(self.timeout_s > 0, "timeout_s", "must be > 0")
         require(self.max_retries >= 0, "max_retries", "must be >= 0")
+        require(self.buckets_in_flight >= 1, "buckets_in_flight", "must be >= 1")
         require(self.method != "disk" or bool(self.disk_dir), "disk_dir", "is required when method is 'disk'")
 
     @property

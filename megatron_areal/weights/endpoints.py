@@ -74,6 +74,14 @@ class WeightCalls:
             "model_path": model_path, "weight_version": weight_version, "flush_cache": True},
             timeout_s=timeout_s)
 
+    async def update_weights_from_shards(self, *, manifest: dict[str, Any], senders: int, group_name: str,
+                                         weight_version: str | None, timeout_s: float) -> None:
+        """The whole shard push in one request (the embedded server's own route): the server receives
+        the slices ``manifest`` lists from the ``senders`` trainer ranks while this call is pending."""
+        await self.client.control("/update_weights_from_shards", {
+            "manifest": manifest, "senders": senders, "group_name": group_name, "weight_version": weight_version,
+            "timeout_s": timeout_s}, timeout_s=timeout_s * (len(manifest["rounds"]) + 2))
+
 
 class VLLMWeightCalls(WeightCalls):
     """vLLM's weight-transfer routes on one server (the plugin's group engine receives)."""
@@ -113,6 +121,15 @@ class VLLMWeightCalls(WeightCalls):
         await self.client.control("/update_weights", {"update_info": {
             "names": names, "dtypes": dtypes, "shapes": shapes, "flattened": flattened_bucket,
             "group_name": group_name}}, timeout_s=timeout_s)
+        if weight_version is not None:
+            await self.client.control("/update_weight_version", {"new_version": str(weight_version)})
+
+    async def update_weights_from_shards(self, *, manifest: dict[str, Any], senders: int, group_name: str,
+                                         weight_version: str | None, timeout_s: float) -> None:
+        """``/update_weights`` with the shard push's manifest (our plugin's engine receives it), then the label."""
+        await self.client.control("/update_weights", {"update_info": {
+            "manifest": manifest, "senders": senders, "group_name": group_name, "timeout_s": timeout_s}},
+            timeout_s=timeout_s * (len(manifest["rounds"]) + 2))
         if weight_version is not None:
             await self.client.control("/update_weight_version", {"new_version": str(weight_version)})
 

@@ -1,14 +1,13 @@
 """``WeightSync``: push the trainer's current weights to every rollout server after a step.
 
 Every trainer rank creates one and calls ``sync(version)`` together (it is collective over the
-control group, by default the world). The sequence: rank 0 pauses generation on all servers; each
-pipeline stage's head (TP rank 0 of data-parallel replica 0) streams its stage's weights in HF
-layout, bucket by bucket, over its own weight-update group while its TP peers (and, for MoE models,
-the ranks holding the other experts) help with the gathers and the other ranks wait; the outcome is
-agreed on by all ranks; rank 0 continues generation. A server that dies or stops answering is named,
-dropped, and the transfer is repeated for the remaining servers, so the run goes on. With
-``method="disk"`` the weights travel through an HF folder on a shared filesystem and
-``/update_weights_from_disk`` instead.
+control group, by default the world). The sequence: rank 0 pauses generation on all servers; the
+weights travel (``weights.transfer``): every trainer rank sends its own slices as the transfer plan
+says (``shard_push``; the embedded server and vLLM), or each pipeline stage's head gathers its stage
+and broadcasts whole tensors (``stage_push``; SGLang); the outcome is agreed on by all ranks; rank 0
+continues generation. A server that dies or stops answering is named, dropped, and the transfer is
+repeated for the remaining servers, so the run goes on. With ``method="disk"`` the weights travel
+through an HF folder on a shared filesystem and ``/update_weights_from_disk`` instead.
 """
 from __future__ import annotations
 
@@ -25,12 +24,14 @@ import torch.distributed as dist
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.fleet.fleet import Fleet, normalize_url
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.weights.buckets import Bucket, hf_buckets
+from megatron_areal.weights.buckets import Bucket
 from megatron_areal.weights.config import WeightsConfig
 from megatron_areal.weights.disk import prune_versions, write_hf_folder
 from megatron_areal.weights.endpoints import weight_calls
-from megatron_areal.weights.gather import check_head_holds_first_experts, is_stage_head, takes_part
-from megatron_areal.weights.link import Pending, StageLink
+from megatron_areal.weights.gather import check_head_holds_first_experts, is_stage_head
+from megatron_areal.weights.outcome import Outcome, combine
+from megatron_areal.weights.shard_push import ShardPush
+from megatron_areal.weights.stage_push import StagePush
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +62,18 @@ class SyncResult:
     broadcast_seconds: float = 0.0
     reply_seconds: float = 0.0
     verified_tensors: int | None = None  # (server, tensor) checksums that agreed; None: weights.verify is off
+    wire_bytes: list[int] = field(default_factory=list)  # shard push: bytes each sending trainer rank put on the wire
+    peak_buffer_bytes: int = 0  # shard push: the most bucket memory one trainer rank held at once
 
 
-@dataclass
-class _Outcome:
-    errors: dict[str, str] = field(default_factory=dict)
-    bytes_sent: int = 0
-    buckets: int = 0
-    max_bucket_bytes: int = 0
-    # time on the busiest stage head: gathering + converting, broadcasting, waiting for installs
-    gather_seconds: float = 0.0
-    broadcast_seconds: float = 0.0
-    reply_seconds: float = 0.0
+def transfer_of(transfer: str, engine: str) -> str:
+    """``weights.transfer`` resolved for ``server.engine``: SGLang takes whole tensors from one source per group."""
+    if transfer == "auto":
+        return "stage_heads" if engine == "sglang" else "shards"
+    if transfer == "shards" and engine == "sglang":
+        raise ValueError("weights.transfer=shards: SGLang takes whole tensors from one source per group; "
+                         "use stage_heads (or auto)")
+    return transfer
 
 
 def _is_int(label: str) -> bool:
@@ -94,12 +95,12 @@ def default_master_address() -> str:
 class WeightSync:
     """The trainer's side of the weight push: every rank holds one, ``sync(version)`` is collective.
 
-    Rank 0 pauses the fleet and decides which servers are alive; each pipeline stage's head, in
-    turn, forms (or reuses) its weight-update group with the servers and streams its stage in HF
-    layout, bucket by bucket; the other ranks help with the TP gathers or wait; rank 0 resumes the
-    fleet. ``servers`` is the membership every rank agrees on; rank 0 drops and re-admits servers in
-    ``fleet`` too (the ``Fleet`` the rollout controller routes over, when the trainer shares it), so
-    a dropped server gets no more rollouts. ``on_drop`` / ``on_join`` are told as well (observers).
+    Rank 0 pauses the fleet and decides which servers are alive; the ranks push (every rank its own
+    slices, or the stage heads their stages; groups are formed once and reused while the members stay
+    the same); rank 0 resumes the fleet. ``servers`` is the membership every rank agrees on; rank 0
+    drops and re-admits servers in ``fleet`` too (the ``Fleet`` the rollout controller routes over,
+    when the trainer shares it), so a dropped server gets no more rollouts. ``on_drop`` / ``on_join``
+    are told as well (observers).
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups,
@@ -136,8 +137,16 @@ class WeightSync:
         self.fleet = fleet if fleet is not None else (
             Fleet(api_key=api_key, control_timeout_s=self.config.timeout_s, engine=engine)
             if (self.is_head or self.rank0) else None)
-        self._link: StageLink | None = None
-        self._generation = 0
+        self._stages = StagePush(self.chunks, arch, groups, config=self.config, fleet=self.fleet,
+                                 master_address=self.master_address, backend=self.backend, dtype=dtype,
+                                 merge=self._merge, on_bucket=lambda: self.on_bucket)
+        self.transfer = transfer_of(self.config.transfer, engine)
+        self._shards = ShardPush(
+            self.chunks, arch, groups, fleet=self.fleet if self.rank0 else None, control_group=control_group,
+            master_address=self.master_address, backend=self.backend, timeout_s=self.config.timeout_s,
+            bucket_bytes=self.config.bucket_bytes, in_flight=self.config.buckets_in_flight, dtype=dtype,
+            broadcast=self._value_from_rank0) \
+            if self.transfer == "shards" and self.config.method == "distributed" else None
 
     # ---- the public sequence -------------------------------------------------------------
     def sync(self, version: str | int) -> SyncResult:
@@ -154,7 +163,8 @@ class WeightSync:
                             buckets=outcome.buckets, max_bucket_bytes=outcome.max_bucket_bytes,
                             servers=list(self.servers), dropped=dropped, gather_seconds=outcome.gather_seconds,
                             broadcast_seconds=outcome.broadcast_seconds, reply_seconds=outcome.reply_seconds,
-                            verified_tensors=verified)
+                            verified_tensors=verified, wire_bytes=outcome.wire_bytes,
+                            peak_buffer_bytes=outcome.peak_buffer_bytes)
         if self.rank0:
             log.info("weights v%s on %d servers in %.2fs (%.1f MB, %d buckets)%s", version, len(self.servers),
                      result.seconds, result.bytes_sent / 1e6, result.buckets,
@@ -221,9 +231,9 @@ class WeightSync:
 
     def close(self) -> None:
         """Destroy the weight-update groups with the servers and close the fleet if it is this object's own."""
-        if self._link is not None:
-            self._link.destroy(list(self.servers))
-            self._link = None
+        if self._shards is not None:
+            self._shards.close(list(self.servers))
+        self._stages.close(list(self.servers))
         if self.fleet is not None and self._own_fleet:
             self.fleet.close()
         self.fleet = None
@@ -248,7 +258,7 @@ class WeightSync:
             for message in failed.values():  # a server lost here is found by the next sync's pause
                 log.error("continuing generation failed: %s", message)
 
-    def _push_until_done(self, version: str, dropped: dict[str, str]) -> _Outcome:
+    def _push_until_done(self, version: str, dropped: dict[str, str]) -> Outcome:
         for attempt in range(self.config.max_retries + 1):
             outcome = self._push(version, dict(self.servers))
             if not outcome.errors:
@@ -311,98 +321,20 @@ class WeightSync:
                     self.on_drop(url, message)
         return dead
 
-    def _push(self, version: str, servers: dict[str, int], temporary: bool = False) -> _Outcome:
+    def _push(self, version: str, servers: dict[str, int], temporary: bool = False) -> Outcome:
         if self.config.method == "disk":
             return self._push_disk(version, list(servers))
-        local = _Outcome()
-        link = None
-        for stage in range(self.groups.pp):
-            # One stage at a time: a server takes one weight operation at a time, in arrival order,
-            # and a broadcast needs every receiver, so two stages' groups forming or streaming to
-            # the same servers at once can deadlock (server A inside stage 0's broadcast waits for
-            # B, which is inside stage 1's and waits for A).
-            if stage == self.groups.pp_rank and servers:
-                if self.is_head:
-                    link, local.errors = self._link_for(servers, temporary)
-                if takes_part(self.groups):
-                    self._stream(link, version, local)
-            if self.groups.pp > 1 and stage < self.groups.pp - 1:
-                # later stages leave out the servers that already failed (they would wait for them)
-                failed = self._merge(_Outcome(errors=dict(local.errors))).errors
-                servers = {u: tp for u, tp in servers.items() if u not in failed}
-        outcome = self._merge(local)
-        if link is not None and (temporary or outcome.errors):
-            link.destroy([u for u in servers if u not in outcome.errors])
-            if link is self._link:
-                self._link = None
-        return outcome
+        if self._shards is not None:
+            return self._push_shards(version, servers, temporary)
+        return self._stages.push(version, servers, temporary)
 
-    def _stream(self, link: StageLink | None, version: str, local: _Outcome) -> None:
-        """Gather, convert and send this stage's buckets; TP peers and expert ranks only take part in the gathers.
-
-        The servers install bucket k while bucket k+1 is being gathered; their replies to k are
-        awaited before k+1 is announced, so each group sees one request at a time.
-        """
-        pending = None
-        buckets = hf_buckets(self.chunks, self.arch, self.groups, bucket_bytes=self.config.bucket_bytes,
-                             flat=self.config.flattened_bucket, dtype=self.dtype, device=self.groups.device)
-        clock = time.perf_counter()
-        for bucket in buckets:
-            local.gather_seconds += time.perf_counter() - clock
-            if pending is not None:
-                local.errors, pending = self._finish(link, pending, local), None
-            if local.errors or link is None:
-                clock = time.perf_counter()
-                continue  # keep gathering in step with the TP peers, send nothing more
-            clock = time.perf_counter()
-            pending = link.post(bucket, version)
-            link.synchronize()  # NCCL returns before the bytes have moved; time the transfer itself
-            local.broadcast_seconds += time.perf_counter() - clock
-            local.buckets += 1
-            local.bytes_sent += bucket.nbytes
-            local.max_bucket_bytes = max(local.max_bucket_bytes, bucket.nbytes)
-            if self.on_bucket is not None:
-                self.on_bucket(local.buckets - 1, bucket)
-            clock = time.perf_counter()
-        local.gather_seconds += time.perf_counter() - clock
-        if pending is not None:
-            local.errors = self._finish(link, pending, local)
-
-    @staticmethod
-    def _finish(link: StageLink | None, pending: Pending, local: _Outcome) -> dict[str, str]:
-        assert link is not None
-        clock = time.perf_counter()
-        errors = link.finish(pending)
-        local.reply_seconds += time.perf_counter() - clock
-        return errors
-
-    def _link_for(self, servers: dict[str, int], temporary: bool) -> tuple[StageLink | None, dict[str, str]]:
-        """The stage's group with exactly ``servers``, formed now unless the current one matches."""
-        if not temporary and self._link is not None and self._link.urls == list(servers):
-            return self._link, {}
-        if not temporary and self._link is not None:
-            self._link.destroy(list(servers))
-            self._link = None
-        self._generation += 1
-        assert self.fleet is not None
-        link = StageLink(self.fleet, servers, stage=self.groups.pp_rank, generation=self._generation,
-                         master_address=self.master_address, backend=self.backend,
-                         timeout_s=self.config.timeout_s, device=self.groups.device)
-        errors = link.form()
-        if errors:
-            link.destroy([u for u in servers if u not in errors])
-            return None, errors
-        if not temporary:
-            self._link = link
-        return link, {}
-
-    def _push_disk(self, version: str, urls: list[str]) -> _Outcome:
+    def _push_disk(self, version: str, urls: list[str]) -> Outcome:
         assert self.config.disk_dir is not None and self.template_dir is not None
         root = Path(self.config.disk_dir)
         folder = write_hf_folder(self.chunks, self.arch, self.groups, root=root, version=version,
                                  template_dir=self.template_dir, control_group=self.control_group,
                                  dtype=self.dtype)
-        local = _Outcome()
+        local = Outcome()
         if self.rank0:
             assert self.fleet is not None
             local.errors = self.fleet.each(urls, lambda c: weight_calls(c).update_weights_from_disk(
@@ -413,22 +345,39 @@ class WeightSync:
             prune_versions(root, keep=folder)
         return self._merge(local)
 
-    def _merge(self, local: _Outcome) -> _Outcome:
+    def _merge(self, local: Outcome) -> Outcome:
         """Every rank's outcome, combined identically on all ranks."""
-        world = dist.get_world_size(self.control_group)
-        parts: list[_Outcome | None] = [None] * world
+        parts: list[Outcome | None] = [None] * dist.get_world_size(self.control_group)
         dist.all_gather_object(parts, local, group=self.control_group)
-        total = _Outcome()
-        for part in parts:
-            assert part is not None
-            total.errors.update(part.errors)
-            total.bytes_sent += part.bytes_sent
-            total.buckets += part.buckets
-            total.max_bucket_bytes = max(total.max_bucket_bytes, part.max_bucket_bytes)
-            total.gather_seconds = max(total.gather_seconds, part.gather_seconds)
-            total.broadcast_seconds = max(total.broadcast_seconds, part.broadcast_seconds)
-            total.reply_seconds = max(total.reply_seconds, part.reply_seconds)
-        return total
+        return combine(p for p in parts if p is not None)
+
+    def _push_shards(self, version: str, servers: dict[str, int], temporary: bool) -> Outcome:
+        """Every trainer rank sends its own slices (``shard_push``); the group is re-formed when the members change."""
+        shards = self._shards
+        assert shards is not None
+        if not servers:
+            return Outcome()
+        if temporary or shards.members != servers:
+            formed = self._merge(Outcome(errors=shards.form(servers)))
+            if formed.errors:
+                shards.close([u for u in servers if u not in formed.errors])
+                return formed
+        clock = time.perf_counter()
+        stats, errors = shards.push(version, self.on_bucket)
+        local = Outcome(errors=errors, bytes_sent=stats.wire_bytes // max(1, len(servers)), buckets=stats.buckets,
+                         max_bucket_bytes=self.config.bucket_bytes if stats.buckets else 0,
+                         gather_seconds=stats.pack_seconds,
+                         broadcast_seconds=stats.wait_seconds, reply_seconds=time.perf_counter() - clock,
+                         wire_bytes=[stats.wire_bytes], peak_buffer_bytes=stats.peak_buffer_bytes)
+        outcome = self._merge(local)
+        if temporary or outcome.errors:  # a server that reported an error may still hold the group: tell all
+            shards.close(list(servers))
+        return outcome
+
+    def _value_from_rank0(self, value: object) -> object:
+        box = [value]
+        dist.broadcast_object_list(box, group=self.control_group, group_src=0)
+        return box[0]
 
     def _from_rank0(self, value: dict[str, str]) -> dict[str, str]:
         box: list[dict[str, str]] = [value]

@@ -182,3 +182,130 @@ def add_sums(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 def format_sum(sums: tuple[int, int]) -> str:
     """The checksum as servers report it: 16 hex digits."""
     return f"{sums[0]:08x}{sums[1]:08x}"
+
+
+# ---- shard to shard: slices of HF tensors from several trainer ranks, point to point ------------------
+#
+# In a shard push every sending trainer rank and every server rank are members of one group (senders
+# first). A server is told, in one request, what arrives: a manifest of rounds; in round k each sender
+# with something for it sends one message (tag k) holding its slices back to back, each slice contiguous
+# in the slice's own shape (the HF tensor's shape with ``dim`` cut to ``start:stop``). The receiver
+# assembles the slices into whole HF tensors and hands each one over as soon as all its elements came.
+#
+#   manifest = {"rounds": [[{"src": group rank, "sender": "trainer rank 3 (pp1 tp1 dp0)",
+#                            "slices": [[hf_name, dtype, full_shape, dim, start, stop], ...]}, ...], ...]}
+
+class WireError(RuntimeError):
+    """A shard push that could not complete; the message names the party that failed."""
+
+
+def slice_shape(shape: list[int], dim: int, start: int, stop: int) -> list[int]:
+    """The shape of elements ``start:stop`` along ``dim`` of a tensor of ``shape``."""
+    return [stop - start if i == dim else n for i, n in enumerate(shape)]
+
+
+def slice_spec(spec: object) -> tuple[str, torch.dtype, list[int], int, int, int]:
+    """One manifest slice checked: (name, dtype, full shape, dim, start, stop); ``ValueError`` names what is wrong."""
+    if not isinstance(spec, (list, tuple)) or len(spec) != 6:
+        raise ValueError(f"slice {spec!r} is not [name, dtype, shape, dim, start, stop]")
+    name, dtype_name, shape, dim, start, stop = spec
+    dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
+    if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
+        raise ValueError(f"slice {str(spec)[:200]}: bad name or dtype")
+    if not dtype.is_floating_point:  # weights are floats; an integer or bool tensor would truncate them
+        raise ValueError(f"slice of {name[:200]}: dtype {dtype_name} is not a floating-point dtype")
+    if not isinstance(shape, list) or not shape or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"slice of {name}: shape {shape!r} is not a list of sizes")
+    if not all(isinstance(v, int) for v in (dim, start, stop)) or not 0 <= dim < len(shape) \
+            or not 0 <= start < stop <= shape[dim]:
+        raise ValueError(f"slice of {name}: {dim=} {start=} {stop=} outside shape {shape}")
+    return name, dtype, shape, dim, start, stop
+
+
+def slice_nbytes(shape: list[int], dim: int, start: int, stop: int, dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for size in slice_shape(shape, dim, start, stop):
+        n *= size
+    return n
+
+
+def check_manifest(manifest: object, *, senders: int, max_bytes: int) -> list[list[tuple[int, str, list]]]:
+    """The manifest's rounds as [(src, sender, [slice spec, ...]), ...]; ``ValueError`` for anything that
+    cannot describe a receive (before any is posted): a source outside the ``senders`` group ranks, a
+    slice out of range, a tensor described two ways, more than ``max_bytes`` in all."""
+    rounds = manifest.get("rounds") if isinstance(manifest, dict) else None
+    if not isinstance(rounds, list):
+        raise ValueError("manifest.rounds must be a list of rounds")
+    out, shapes, total = [], {}, 0
+    for k, messages in enumerate(rounds):
+        if not isinstance(messages, list):
+            raise ValueError(f"manifest round {k} must be a list of messages")
+        checked = []
+        for m in messages:
+            src = m.get("src") if isinstance(m, dict) else None
+            if not isinstance(src, int) or not 0 <= src < senders or not isinstance(m.get("slices"), list):
+                raise ValueError(f"manifest round {k}: message {str(m)[:200]} needs src in 0..{senders - 1} "
+                                 "and a list of slices")
+            specs = [slice_spec(s) for s in m["slices"]]
+            for name, dtype, shape, dim, start, stop in specs:
+                if shapes.setdefault(name, (dtype, shape)) != (dtype, shape):
+                    raise ValueError(f"manifest: {name} is described as {shapes[name]} and as {(dtype, shape)}")
+                total += slice_nbytes(shape, dim, start, stop, dtype)
+            checked.append((src, str(m.get("sender", f"group rank {src}")), specs))
+        out.append(checked)
+    if total > max_bytes:
+        raise ValueError(f"manifest: {total} bytes in all exceed this server's limit of {max_bytes}")
+    return out
+
+
+def receive_slices(pg: dist.ProcessGroup, rounds: list[list[tuple[int, str, list]]], *, timeout_s: float,
+                   device: torch.device, on_round: object) -> int:
+    """Receive every round of a checked manifest (``check_manifest``) and assemble whole tensors.
+
+    After each round ``on_round({name: tensor})`` gets the tensors completed in it. Every wait is
+    bounded by ``timeout_s``; a sender that fails or stays silent raises ``WireError`` naming it.
+    Returns the number of tensors assembled.
+    """
+    partial: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, elements still missing)
+    done = 0
+    for k, messages in enumerate(rounds):
+        posted = []
+        for src, sender, specs in messages:
+            size = sum(slice_nbytes(shape, dim, a, b, dtype) for _, dtype, shape, dim, a, b in specs)
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            posted.append((sender, specs, buffer, dist.irecv(buffer, group=pg, group_src=src, tag=k)))
+        complete: dict[str, torch.Tensor] = {}
+        for sender, specs, buffer, work in posted:
+            try:
+                work.wait(timedelta(seconds=timeout_s))
+            except RuntimeError as e:
+                raise WireError(f"{sender}: round {k} of the weight push not received: {e}") from None
+            offset = 0
+            for name, dtype, shape, dim, a, b in specs:
+                n = slice_nbytes(shape, dim, a, b, dtype)
+                piece = buffer[offset:offset + n]
+                piece = (piece if offset % dtype.itemsize == 0 else piece.clone()).view(dtype)
+                offset += n
+                target, missing = partial.get(name) or (torch.empty(shape, dtype=dtype, device=device),
+                                                        _numel(shape))
+                target.narrow(dim, a, b - a).copy_(piece.view(slice_shape(shape, dim, a, b)))
+                missing -= piece.numel()
+                if missing <= 0:
+                    partial.pop(name, None)
+                    complete[name] = target
+                else:
+                    partial[name] = (target, missing)
+        done += len(complete)
+        if complete:
+            on_round(complete)  # type: ignore[operator]
+    if partial:
+        missing = ", ".join(f"{n} ({m} elements)" for n, (_, m) in list(partial.items())[:5])
+        raise WireError(f"weight push ended with tensors incomplete: {missing}")
+    return done
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n

@@ -1,0 +1,145 @@
+"""One trainer rank's side of a shard push: cut its slices from its own parameters, pack them into
+buckets and send each bucket point to point to the server ranks that need it, overlapped.
+
+Bucket ``k + 1`` is converted (cast to the push dtype) and packed while bucket ``k`` is on the wire; at
+most ``in_flight`` buckets' buffers exist at once (the memory a push adds on this rank), so before packing
+another the oldest must have left. Every wait is bounded by ``timeout_s``; a receiver that dies or stays
+silent ends the push with its name.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_areal.model import mapping
+from megatron_areal.model.arch import ModelArch
+from megatron_areal.model.slices import HFSlice, shard_tensors
+from megatron_areal.model.weights import named_global_params
+from megatron_areal.weights.plan import TrainerLayout
+from megatron_areal.weights.streams import Item, Stream, slice_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SendStats:
+    """What one rank sent: bytes on the wire (all receivers), buckets, the most buffer bytes held at once,
+    and where the time went (packing, waiting for the wire)."""
+
+    wire_bytes: int = 0
+    buckets: int = 0
+    peak_buffer_bytes: int = 0
+    pack_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    errors: dict[str, str] = field(default_factory=dict)  # receiver url -> what failed
+
+
+class SliceSource:
+    """This rank's parameters by global name, cut into HF slices on demand (one parameter cached)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, layout: TrainerLayout, rank: int) -> None:
+        self.arch, self.layout, self.rank = arch, layout, rank
+        self.params = {name: p for chunk in chunks for name, p in named_global_params(chunk)}
+        self._cached: tuple[str, dict[str, tuple[HFSlice, torch.Tensor]]] | None = None
+
+    def values(self, source: str, want: HFSlice) -> torch.Tensor:
+        """The elements of ``want`` (a slice of an HF tensor) from this rank's shard of ``source``."""
+        if self._cached is None or self._cached[0] != source:
+            if source not in self.params:
+                raise KeyError(f"{self.layout.describe(self.rank)} holds no parameter {source!r} to send")
+            expert = mapping.is_expert(source)
+            shard, size = self.layout.shard_of(self.rank, expert) if mapping.tp_dim(source) is not None else (0, 1)
+            local = self.params[source].detach()
+            self._cached = (source, {s.name: (s, t) for s, t in shard_tensors(self.arch, source, local, shard, size)})
+        have, tensor = self._cached[1][want.name]
+        return tensor.narrow(want.dim, want.start - have.start, want.stop - want.start)
+
+
+@torch.no_grad()
+def send_streams(streams: list[Stream], source: SliceSource, *, group: dist.ProcessGroup,
+                 receiver_rank: dict[tuple[int, int], int], receiver_name: dict[tuple[int, int], str],
+                 dtype: torch.dtype, bucket_bytes: int, in_flight: int, timeout_s: float,
+                 device: torch.device | None = None,
+                 on_bucket: Callable[[int, torch.Tensor], None] | None = None) -> SendStats:
+    """Send every stream's buckets, round by round (tag = round), with at most ``in_flight`` rounds' buffers;
+    ``on_bucket(index, bytes)`` is told of each bucket once it is on its way (a progress hook)."""
+    stats = SendStats()
+    pending: collections.deque[tuple[int, list[tuple[tuple[int, int], dist.Work]], list[torch.Tensor]]] = \
+        collections.deque()
+    free: list[torch.Tensor] = []
+    held = 0
+    rounds = max((len(s.buckets) for s in streams), default=0)
+    for k in range(rounds):
+        while len(pending) >= in_flight and not stats.errors:
+            _retire(pending.popleft(), free, stats, receiver_name, timeout_s, bucket_bytes)
+        if stats.errors:
+            break
+        clock = time.perf_counter()
+        works: list[tuple[tuple[int, int], dist.Work]] = []
+        buffers: list[torch.Tensor] = []
+        for stream in streams:
+            if k >= len(stream.buckets):
+                continue
+            whole, bucket, grown = _pack(stream.buckets[k], source, free, dtype, bucket_bytes, device)
+            buffers.append(whole)
+            held += grown
+            stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, held)
+            for receiver in stream.receivers:
+                works.append((receiver, dist.isend(bucket, group=group, group_dst=receiver_rank[receiver], tag=k)))
+                stats.wire_bytes += bucket.numel()
+            stats.buckets += 1
+            if on_bucket is not None:
+                on_bucket(stats.buckets - 1, bucket)
+        stats.pack_seconds += time.perf_counter() - clock
+        pending.append((k, works, buffers))
+    while pending and not stats.errors:
+        _retire(pending.popleft(), free, stats, receiver_name, timeout_s, bucket_bytes)
+    return stats
+
+
+def _pack(items: tuple[Item, ...], source: SliceSource, free: list[torch.Tensor], dtype: torch.dtype,
+          bucket_bytes: int, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The bucket's slices back to back in a buffer (a free one of the right size when there is one):
+    (the buffer, the bucket's bytes in it, bytes newly allocated)."""
+    size = sum(slice_bytes(s, dtype) for _, s in items)
+    capacity = max(size, bucket_bytes)
+    reuse = next((i for i, b in enumerate(free) if b.numel() == capacity), None)
+    grown = 0
+    if reuse is None:
+        target = device if device is not None else source.params[items[0][0]].device
+        buffer = torch.empty(capacity, dtype=torch.uint8, device=target)
+        grown = capacity
+    else:
+        buffer = free.pop(reuse)  # by position: ``list.remove`` would compare tensors elementwise
+    offset = 0
+    for name, s in items:
+        n = slice_bytes(s, dtype)
+        shape = [s.stop - s.start if i == s.dim else d for i, d in enumerate(s.shape)]
+        buffer[offset:offset + n].view(dtype).view(shape).copy_(source.values(name, s))
+        offset += n
+    return buffer, buffer[:size], grown
+
+
+def _retire(entry: tuple[int, list[tuple[tuple[int, int], dist.Work]], list[torch.Tensor]],
+            free: list[torch.Tensor], stats: SendStats, receiver_name: dict[tuple[int, int], str],
+            timeout_s: float, bucket_bytes: int) -> None:
+    """Wait for one round's sends (bounded); its buffers become free for the next rounds."""
+    k, works, buffers = entry
+    clock = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    for receiver, work in works:
+        try:
+            work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        except RuntimeError as e:
+            name = receiver_name[receiver]
+            stats.errors[name.split(" ")[0]] = f"{name}: bucket {k} of the weight push not delivered: {e}"
+    stats.wait_seconds += time.perf_counter() - clock
+    if not stats.errors:  # kept for reuse; a larger one (a slice over the bucket size) is let go
+        free.extend(b for b in buffers if b.numel() == bucket_bytes)
