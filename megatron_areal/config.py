@@ -92,6 +92,9 @@ class Config:
         require(not (self.model.lora.enabled and self.weights.verify), "weights.verify",
                 "does not yet cover a model.lora run's merged push (the checksums are of the base weights' shards); "
                 "set weights.verify: false")
+        require(not (self.model.lora.enabled and self.weights.transfer == "shards"), "weights.transfer",
+                "shards is not offered for a model.lora run: it pushes merged weights, which the stage heads build; "
+                "use stage_heads or auto")
         require(not (self.model.lora.enabled and self.parallel.sequence_parallel), "parallel.sequence_parallel",
                 "is not supported with model.lora (the adapters take the projection's whole input)")
         if self.weights.method == "disk" and self.weights.disk_dir:

@@ -272,6 +272,7 @@ def test_dropout_keeps_tensor_parallel_replicas_equal(runs):
     (["model.lora.rank=4", "model.lora.dropout=1.0"], "model.lora.dropout"),
     (["model.lora.rank=4", "model.lora.targets=[q_proj, q_proj]"], "model.lora.targets"),
     (["model.lora.rank=4", "weights.verify=true"], "weights.verify"),
+    (["model.lora.rank=4", "weights.transfer=shards"], "weights.transfer"),
 ])
 def test_bad_lora_settings_are_refused_naming_the_key(overrides, key):
     from megatron_areal.config import load_config
@@ -300,3 +301,13 @@ def test_activation_recomputation_trains_the_same_adapters(runs):
     _, out = runs
     for rank in out["recompute"]:
         assert _diff(rank, out[(2, 1)][0]["trained"]) <= 1e-5
+
+
+def test_a_lora_run_pushes_through_the_stage_heads():
+    from megatron_areal.weights.push import transfer_of
+
+    assert transfer_of("auto", "embedded", adapters=True) == "stage_heads"  # the path that merges
+    assert transfer_of("auto", "vllm", adapters=True) == "stage_heads"
+    assert transfer_of("auto", "embedded") == "shards"
+    with pytest.raises(ValueError, match="model.lora"):
+        transfer_of("shards", "embedded", adapters=True)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.fleet.fleet import Fleet, normalize_url
 from megatron_areal.model.arch import ModelArch
+from megatron_areal.model.weights import ADAPTERS, unwrap
 from megatron_areal.weights.buckets import Bucket
 from megatron_areal.weights.config import WeightsConfig
 from megatron_areal.weights.disk import prune_versions, write_hf_folder
@@ -66,10 +67,14 @@ class SyncResult:
     peak_buffer_bytes: int = 0  # shard push: the most bucket memory one trainer rank held at once
 
 
-def transfer_of(transfer: str, engine: str) -> str:
-    """``weights.transfer`` resolved for ``server.engine``: SGLang takes whole tensors from one source per group."""
+def transfer_of(transfer: str, engine: str, adapters: bool = False) -> str:
+    """``weights.transfer`` resolved for ``server.engine``: SGLang takes whole tensors from one source per group.
+    A ``model.lora`` run (``adapters``) pushes merged weights, which only the stage heads' gather builds."""
+    if adapters and transfer == "shards":
+        raise ValueError("weights.transfer=shards: a model.lora run pushes merged weights, which only the stage "
+                         "heads build; use stage_heads (or auto)")
     if transfer == "auto":
-        return "stage_heads" if engine == "sglang" else "shards"
+        return "stage_heads" if engine == "sglang" or adapters else "shards"
     if transfer == "shards" and engine == "sglang":
         raise ValueError("weights.transfer=shards: SGLang takes whole tensors from one source per group; "
                          "use stage_heads (or auto)")
@@ -140,7 +145,8 @@ class WeightSync:
         self._stages = StagePush(self.chunks, arch, groups, config=self.config, fleet=self.fleet,
                                  master_address=self.master_address, backend=self.backend, dtype=dtype,
                                  merge=self._merge, on_bucket=lambda: self.on_bucket)
-        self.transfer = transfer_of(self.config.transfer, engine)
+        self.transfer = transfer_of(self.config.transfer, engine,
+                                    adapters=any(getattr(unwrap(c), ADAPTERS, None) is not None for c in self.chunks))
         self._shards = ShardPush(
             self.chunks, arch, groups, fleet=self.fleet if self.rank0 else None, control_group=control_group,
             master_address=self.master_address, backend=self.backend, timeout_s=self.config.timeout_s,
