@@ -37,9 +37,26 @@ ENV = {"python_version": "3.11", "python_full_version": "3.11.7", "sys_platform"
 CUDA_SUFFIX = re.compile(r"[-_]cu(\d+)$")
 
 
+class _PinFilled(ast.NodeTransformer):
+    """setup.py's f-strings over the one megatron-core pin (``MEGATRON_CORE_VERSION``) as plain strings."""
+
+    def visit_JoinedStr(self, node: ast.JoinedStr) -> ast.Constant:
+        from megatron_areal.patches.version import MEGATRON_CORE_VERSION
+
+        parts = []
+        for value in node.values:
+            if isinstance(value, ast.Constant):
+                parts.append(str(value.value))
+            elif isinstance(value, ast.FormattedValue) and getattr(value.value, "id", "") == "MEGATRON_CORE_VERSION":
+                parts.append(MEGATRON_CORE_VERSION)
+            else:
+                raise ValueError(f"setup.py line {node.lineno}: an f-string over something other than the pin")
+        return ast.Constant("".join(parts))
+
+
 def setup_requirements() -> tuple[list[Requirement], dict[str, list[Requirement]]]:
     """install_requires and extras_require of setup.py, read without running it."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
+    tree = _PinFilled().visit(ast.parse((ROOT / "setup.py").read_text()))
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
     kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
     extras = {name: [Requirement(r) for r in reqs] for name, reqs in kw["extras_require"].items()}
