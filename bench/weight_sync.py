@@ -132,11 +132,16 @@ def _t_sync(version: str) -> dict[str, Any]:
 
 
 def _t_record_pieces() -> list[int]:
-    """Bucket sizes this rank sends (one more sync, recorded through the progress hook)."""
-    sync, pieces = _STATE["sync"], []
-    sync.on_bucket = lambda i, bucket: pieces.append(bucket.nbytes)
-    sync.sync("pieces")
-    sync.on_bucket = None
+    """Bucket sizes this rank sends in a shard push, round by round: its streams as the transfer plan of
+    the servers the last sync reached cuts them (``weights.streams``), the buckets ``send_streams`` packs."""
+    from megatron_areal.weights.streams import slice_bytes, streams_of
+
+    shards = _STATE["sync"]._shards
+    assert shards is not None and shards.plan is not None, "record the pieces after a shard push"
+    mine = streams_of(shards.plan, shards.rank, bucket_bytes=shards.bucket_bytes, dtype=shards.dtype)
+    rounds = max((len(s.buckets) for s in mine), default=0)
+    pieces = [sum(slice_bytes(sl, shards.dtype) for _, sl in s.buckets[k]) for k in range(rounds)
+              for s in mine if k < len(s.buckets)]
     _STATE["pieces"] = pieces
     return pieces
 

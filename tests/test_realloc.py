@@ -13,11 +13,13 @@ two live servers holding the base model at version ``init``, so any test runs al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import urllib.request
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -85,19 +87,37 @@ def _w_save(ckpt_dir: str) -> None:
     dist.barrier()
 
 
+@contextlib.contextmanager
+def _signal_after_first_send(pid: int, signum: int) -> Iterator[None]:
+    """Within the block, this trainer rank's first point-to-point send of a weight push (``dist.isend``: the
+    shard push's first bucket, once the servers were told what will arrive) is followed by ``signum`` to
+    ``pid``: a fault at an exact point in the middle of the push. (The servers announce nothing before the
+    whole update is installed, so a signal from outside could only race the push.)"""
+    import torch.distributed as dist
+
+    original = dist.isend
+
+    def isend(*args: Any, **kwargs: Any) -> Any:
+        work = original(*args, **kwargs)
+        if dist.isend is isend:
+            dist.isend = original
+            os.kill(pid, signum)
+        return work
+
+    dist.isend = isend
+    try:
+        yield
+    finally:
+        dist.isend = original
+
+
 def _w_sync(version: str, pid: int | None = None, signum: int = signal.SIGKILL,
             which: str = "sync") -> dict[str, Any]:
-    """One sync; with ``pid``, stage 0's head sends ``signum`` to that server after its first bucket."""
+    """One sync; with ``pid``, stage 0's head sends ``signum`` to that server after its first bucket left."""
     sync = _STATE[which]
-    if pid is not None and sync.is_head and sync.groups.pp_rank == 0:
-        def signal_after_first(index: int, bucket: Any) -> None:
-            if index == 0:
-                os.kill(pid, signum)
-        sync.on_bucket = signal_after_first
-    try:
+    fault = pid is not None and sync.is_head and sync.groups.pp_rank == 0
+    with _signal_after_first_send(pid, signum) if fault else contextlib.nullcontext():
         r = sync.sync(version)
-    finally:
-        sync.on_bucket = None
     return {"servers": r.servers, "dropped": r.dropped, "bytes": r.bytes_sent, "buckets": r.buckets,
             "max_bucket": r.max_bucket_bytes, "wire": r.wire_bytes, "peak": r.peak_buffer_bytes}
 

@@ -138,6 +138,7 @@ _STATE: dict = {}
 def _w_setup(model_dir: str, urls: list[str]) -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
+    from megatron_areal.fleet.fleet import Fleet
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.weights.config import WeightsConfig
@@ -147,24 +148,28 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, 0, 1)
-    events: list = []
+    # the trainer's arrangement: rank 0's weight push drops and re-admits servers in the fleet its rollouts route over
+    fleet = Fleet(urls, control_timeout_s=10.0)
     sync = WeightSync(chunks, arch, groups, urls, config=WeightsConfig(timeout_s=10.0, master_address="127.0.0.1"),
-                      on_drop=lambda url, why: events.append(("drop", url)),
-                      on_join=lambda url: events.append(("join", url)))
-    _STATE.update(sync=sync, events=events)
+                      fleet=fleet)
+    _STATE.update(sync=sync, fleet=fleet)
 
 
 def _w_sync(version: str) -> dict:
+    """One sync, and what the rollouts see after it: the fleet's members and its removals and (re-)admissions
+    during the sync."""
+    routing = _STATE["fleet"].routing
+    removed, added = routing.removed, routing.added
     r = _STATE["sync"].sync(version)
-    events = list(_STATE["events"])
-    _STATE["events"].clear()
-    return {"servers": r.servers, "dropped": list(r.dropped), "events": events, "lost": list(_STATE["sync"].lost)}
+    return {"servers": r.servers, "dropped": list(r.dropped), "routed": _STATE["fleet"].urls,
+            "removed": routing.removed - removed, "added": routing.added - added}
 
 
 def _w_close() -> None:
     from megatron_areal.actor.parallel import teardown_parallel
 
     _STATE.pop("sync").close()
+    _STATE.pop("fleet").close()
     teardown_parallel()
 
 
@@ -186,7 +191,8 @@ def test_weight_sync_readmits_a_restarted_server(tmp_path: Path) -> None:
     try:
         pool.run(_w_setup, str(model), [s.url for s in servers])
         r = pool.run(_w_sync, "1")[0]
-        assert r["servers"] == [keep.url, victim.url] and not r["events"]
+        assert r["servers"] == r["routed"] == [keep.url, victim.url] and not r["dropped"], r
+        assert r["removed"] == r["added"] == 0, r
 
         # restarted between syncs: it answers with its launch label, is dropped and re-admitted at once
         victim.proc.kill()
@@ -194,18 +200,21 @@ def test_weight_sync_readmits_a_restarted_server(tmp_path: Path) -> None:
         servers[1] = victim = start_embedded(model, port=port)
         assert _version(victim.url) == "default"
         r = pool.run(_w_sync, "2")[0]
-        assert r["dropped"] == [victim.url] and r["events"] == [("drop", victim.url), ("join", victim.url)], r
-        assert r["servers"] == [keep.url, victim.url] and not r["lost"]
+        assert r["dropped"] == [victim.url] and r["removed"] == r["added"] == 1, r
+        assert r["servers"] == r["routed"] == [keep.url, victim.url], r
         assert _version(victim.url) == _version(keep.url) == "2"
 
-        # dead at a sync: dropped and remembered; back before the next one: re-admitted there
+        # dead at a sync: dropped, and out of the routing until it is back; back before the next sync: re-admitted
+        # there with that sync's weights
         victim.proc.kill()
         victim.proc.wait(timeout=30)
         r = pool.run(_w_sync, "3")[0]
-        assert r["servers"] == [keep.url] and r["lost"] == [victim.url] and r["events"] == [("drop", victim.url)]
+        assert r["dropped"] == [victim.url] and r["removed"] == 1 and r["added"] == 0, r
+        assert r["servers"] == r["routed"] == [keep.url], r
         servers[1] = victim = start_embedded(model, port=port)
         r = pool.run(_w_sync, "4")[0]
-        assert r["servers"] == [keep.url, victim.url] and r["events"] == [("join", victim.url)] and not r["lost"]
+        assert not r["dropped"] and r["removed"] == 0 and r["added"] == 1, r
+        assert r["servers"] == r["routed"] == [keep.url, victim.url], r
         assert _version(victim.url) == _version(keep.url) == "4"
         pool.run(_w_close)
     finally:

@@ -266,6 +266,7 @@ def test_pipeline_stages_reach_three_sglang_servers_one_at_a_time(receivers: lis
 def _w_sync_one_rank(model_dir: str, urls: list[str], version: str) -> dict[str, Any]:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel, teardown_parallel
+    from megatron_areal.fleet.fleet import Fleet
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.weights.config import WeightsConfig
@@ -275,16 +276,18 @@ def _w_sync_one_rank(model_dir: str, urls: list[str], version: str) -> dict[str,
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, 0, 1)
-    dropped: list[str] = []
+    # as the trainer does: a server the push drops leaves the fleet its rollouts route over
+    fleet = Fleet(urls, engine="sglang", control_timeout_s=60.0)
     sync = WeightSync(chunks, arch, groups, urls, config=WeightsConfig(timeout_s=60.0, master_address="127.0.0.1"),
-                      on_drop=lambda url, reason: dropped.append(url), engine="sglang")
+                      fleet=fleet)
     try:
         result = sync.sync(version)
-        return {"servers": result.servers, "dropped": dropped}
+        return {"servers": result.servers, "routed": fleet.urls, "removed": fleet.routing.removed}
     except WeightSyncError as e:
-        return {"error": str(e), "servers": list(sync.servers), "dropped": dropped}
+        return {"error": str(e), "servers": list(sync.servers), "routed": fleet.urls, "removed": fleet.routing.removed}
     finally:
         sync.close()
+        fleet.close()
         teardown_parallel()
 
 
@@ -303,5 +306,5 @@ def test_a_paused_server_that_refuses_an_update_is_not_taken_for_dead(receivers:
         (outcome,) = pool.run(_w_sync_one_rank, str(model), urls, "1")
     finally:
         pool.close()
-    assert outcome["dropped"] == [] and outcome["servers"] == urls, outcome
+    assert outcome["removed"] == 0 and outcome["servers"] == outcome["routed"] == urls, outcome
     assert "refused" in outcome["error"] and urls[1] in outcome["error"], outcome

@@ -105,6 +105,7 @@ _SERVER: dict = {}  # the test process's view of the server, for error messages
 def _w_setup(model_dir: str, urls: list[str]) -> None:
     from megatron_areal.actor.model import build_model
     from megatron_areal.actor.parallel import init_parallel
+    from megatron_areal.fleet.fleet import Fleet
     from megatron_areal.model.arch import load_arch
     from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.weights.config import WeightsConfig
@@ -114,13 +115,12 @@ def _w_setup(model_dir: str, urls: list[str]) -> None:
     arch = load_arch(model_dir)
     chunks = build_model(arch, groups)
     load_hf_weights(chunks, model_dir, arch, 0, 1)
-    events: list = []
+    # as the trainer does: the push drops and re-admits servers in the fleet its rollouts route over
+    fleet = Fleet(urls, engine="vllm", api_key=API_KEY, control_timeout_s=120.0)
     # pause_mode retract: on vLLM the requests are kept inside the server (/pause?mode=keep)
-    sync = WeightSync(chunks, arch, groups, urls, engine="vllm", api_key=API_KEY,
-                      on_drop=lambda url, why: events.append(("drop", url)),
-                      on_join=lambda url: events.append(("join", url)),
+    sync = WeightSync(chunks, arch, groups, urls, fleet=fleet,
                       config=WeightsConfig(timeout_s=120.0, master_address="127.0.0.1", pause_mode="retract"))
-    _STATE.update(sync=sync, chunks=chunks, arch=arch, events=events)
+    _STATE.update(sync=sync, fleet=fleet, chunks=chunks, arch=arch)
 
 
 def _w_sync(version: str, weights_dir: str | None = None, zero_final_norm: bool = False) -> dict:
@@ -134,16 +134,18 @@ def _w_sync(version: str, weights_dir: str | None = None, zero_final_norm: bool 
             for name, p in _STATE["chunks"][0].named_parameters():
                 if name.endswith("final_layernorm.weight"):
                     p.zero_()
+    routing = _STATE["fleet"].routing
+    removed, added = routing.removed, routing.added
     r = _STATE["sync"].sync(version)
-    events = list(_STATE["events"])
-    _STATE["events"].clear()
-    return {"servers": r.servers, "dropped": list(r.dropped), "events": events, "buckets": r.buckets}
+    return {"servers": r.servers, "dropped": list(r.dropped), "buckets": r.buckets, "routed": _STATE["fleet"].urls,
+            "removed": routing.removed - removed, "added": routing.added - added}
 
 
 def _w_close() -> None:
     from megatron_areal.actor.parallel import teardown_parallel
 
     _STATE.pop("sync").close()
+    _STATE.pop("fleet").close()
     teardown_parallel()
 
 
@@ -360,8 +362,8 @@ def test_killed_server_is_dropped_restarted_and_readmitted(model: Path, server, 
     server["proc"].wait(timeout=60)
     server["proc"] = _start(model, server["port"], server["log"])  # on the same port, as the launcher does
     r = trainer.run(_w_sync, "5")[0]
-    assert r["dropped"] == [url] and r["events"] == [("drop", url), ("join", url)], r
-    assert r["servers"] == [url]
+    assert r["dropped"] == [url] and r["removed"] == r["added"] == 1, r  # out of the routing, then back
+    assert r["servers"] == r["routed"] == [url], r
     out = generate(fleet, url, PROMPTS[1], GREEDY)
     assert set(out.output_versions) == {"5"}
     assert out.output_ids == hf_greedy(model, PROMPTS[1], GREEDY["max_new_tokens"])

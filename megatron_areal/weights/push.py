@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,6 @@ from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.fleet.fleet import Fleet, normalize_url
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.weights import ADAPTERS, unwrap
-from megatron_areal.weights.buckets import Bucket
 from megatron_areal.weights.config import WeightsConfig
 from megatron_areal.weights.disk import prune_versions, write_hf_folder
 from megatron_areal.weights.endpoints import weight_calls
@@ -104,27 +103,22 @@ class WeightSync:
     slices, or the stage heads their stages; groups are formed once and reused while the members stay
     the same); rank 0 resumes the fleet. ``servers`` is the membership every rank agrees on; rank 0
     drops and re-admits servers in ``fleet`` too (the ``Fleet`` the rollout controller routes over,
-    when the trainer shares it), so a dropped server gets no more rollouts. ``on_drop`` / ``on_join``
-    are told as well (observers).
+    when the trainer shares it), so a dropped server gets no more rollouts; ``SyncResult.dropped`` names the
+    servers a sync dropped and ``readmit`` returns the ones taken back.
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups,
                  servers: Sequence[str], *, config: WeightsConfig | None = None, server_tp: int = 1,
                  api_key: str | None = None, template_dir: str | Path | None = None,
                  control_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
-                 on_bucket: Callable[[int, Bucket], None] | None = None,
-                 on_drop: Callable[[str, str], None] | None = None,
-                 on_join: Callable[[str], None] | None = None, fleet: Fleet | None = None,
-                 engine: str | None = None) -> None:
+                 fleet: Fleet | None = None, engine: str | None = None) -> None:
         self.chunks, self.arch, self.groups = list(chunks), arch, groups
         self.config = config or WeightsConfig()
         self.config.validate()
         if self.config.method == "disk" and template_dir is None:
             raise ValueError("weights.method=disk needs the model folder the servers started from (template_dir) "
                              "for the config and tokenizer files")
-        self.server_tp, self.dtype, self.on_bucket = server_tp, dtype, on_bucket
-        self.on_drop = on_drop  # rank 0: told (url, reason) of every server dropped, e.g. to stop routing to it
-        self.on_join = on_join  # rank 0: told the url of every dropped server re-admitted, to route to it again
+        self.server_tp, self.dtype = server_tp, dtype
         self.template_dir = Path(template_dir) if template_dir is not None else None
         self.control_group = control_group
         self.rank0 = dist.get_rank(control_group) == 0
@@ -144,7 +138,7 @@ class WeightSync:
             if (self.is_head or self.rank0) else None)
         self._stages = StagePush(self.chunks, arch, groups, config=self.config, fleet=self.fleet,
                                  master_address=self.master_address, backend=self.backend, dtype=dtype,
-                                 merge=self._merge, on_bucket=lambda: self.on_bucket)
+                                 merge=self._merge)
         self.transfer = transfer_of(self.config.transfer, engine,
                                     adapters=any(getattr(unwrap(c), ADAPTERS, None) is not None for c in self.chunks))
         self._shards = ShardPush(
@@ -208,8 +202,8 @@ class WeightSync:
 
     def readmit(self) -> list[str]:
         """Collective: take back the dropped servers that answer again (say, restarted by the
-        launcher on their port), each with the current weights (``add_server``); rank 0 tells
-        ``on_join``. One that fails to take the weights stays out and is tried at the next call.
+        launcher on their port), each with the current weights (``add_server``); rank 0 routes to them
+        again (``fleet.join``). One that fails to take the weights stays out and is tried at the next call.
         Returns the urls re-admitted."""
         back: dict[str, str] = {}
         if self.rank0 and self.lost:
@@ -231,8 +225,6 @@ class WeightSync:
                         self.version, self.readmitted)
             if self.rank0:
                 self.fleet.join(url)
-                if self.on_join is not None:
-                    self.on_join(url)
         return joined
 
     def close(self) -> None:
@@ -317,14 +309,13 @@ class WeightSync:
         return self._forget(self._from_rank0(found))
 
     def _forget(self, dead: dict[str, str]) -> dict[str, str]:
-        """Every rank: drop ``dead`` from the members (rank 0 tells ``on_drop``); remember them for ``readmit``."""
+        """Every rank: drop ``dead`` from the members (rank 0 stops routing to them: ``fleet.drop``); remember
+        them for ``readmit``."""
         for url, message in dead.items():
             log.error("dropping rollout server %s: %s", url, message)
             self.lost[url] = self.servers.pop(url, None) or self.lost.get(url) or self.server_tp
             if self.rank0:
                 self.fleet.drop(url, message)
-                if self.on_drop is not None:
-                    self.on_drop(url, message)
         return dead
 
     def _push(self, version: str, servers: dict[str, int], temporary: bool = False) -> Outcome:
@@ -369,7 +360,7 @@ class WeightSync:
                 shards.close([u for u in servers if u not in formed.errors])
                 return formed
         clock = time.perf_counter()
-        stats, errors = shards.push(version, self.on_bucket)
+        stats, errors = shards.push(version)
         local = Outcome(errors=errors, bytes_sent=stats.wire_bytes // max(1, len(servers)), buckets=stats.buckets,
                          max_bucket_bytes=self.config.bucket_bytes if stats.buckets else 0,
                          gather_seconds=stats.pack_seconds,

@@ -112,8 +112,7 @@ class ShardPush:
                      len(servers), world)
         return errors
 
-    def push(self, version: str, on_bucket: Callable[[int, torch.Tensor], None] | None = None
-             ) -> tuple[SendStats, dict[str, str]]:
+    def push(self, version: str) -> tuple[SendStats, dict[str, str]]:
         """Collective: send this rank's slices; rank 0 also announces the manifests and collects the servers'
         replies. Returns this rank's send statistics and {url: error}."""
         assert self.plan is not None and self.members is not None
@@ -132,7 +131,7 @@ class ShardPush:
         if self.group is not None:
             stats = send_streams(mine, self.source, group=self.group.pg, receiver_rank=ranks, receiver_name=names,
                                  dtype=self.dtype, bucket_bytes=self.bucket_bytes, in_flight=self.in_flight,
-                                 timeout_s=self.timeout_s, device=self.device, on_bucket=on_bucket)
+                                 timeout_s=self.timeout_s, device=self.device)
             if stats.errors:  # close our end now: receivers waiting for this rank fail at once, not at their timeout
                 self.group.destroy()
                 self.group = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -66,10 +66,8 @@ class SliceSource:
 def send_streams(streams: list[Stream], source: SliceSource, *, group: dist.ProcessGroup,
                  receiver_rank: dict[tuple[int, int], int], receiver_name: dict[tuple[int, int], str],
                  dtype: torch.dtype, bucket_bytes: int, in_flight: int, timeout_s: float,
-                 device: torch.device | None = None,
-                 on_bucket: Callable[[int, torch.Tensor], None] | None = None) -> SendStats:
-    """Send every stream's buckets, round by round (tag = round), with at most ``in_flight`` rounds' buffers;
-    ``on_bucket(index, bytes)`` is told of each bucket once it is on its way (a progress hook)."""
+                 device: torch.device | None = None) -> SendStats:
+    """Send every stream's buckets, round by round (tag = round), with at most ``in_flight`` rounds' buffers."""
     stats = SendStats()
     pending: collections.deque[tuple[int, list[tuple[tuple[int, int], dist.Work]], list[torch.Tensor]]] = \
         collections.deque()
@@ -95,8 +93,6 @@ def send_streams(streams: list[Stream], source: SliceSource, *, group: dist.Proc
                 works.append((receiver, dist.isend(bucket, group=group, group_dst=receiver_rank[receiver], tag=k)))
                 stats.wire_bytes += bucket.numel()
             stats.buckets += 1
-            if on_bucket is not None:
-                on_bucket(stats.buckets - 1, bucket)
         stats.pack_seconds += time.perf_counter() - clock
         pending.append((k, works, buffers))
     while pending and not stats.errors:

@@ -17,7 +17,7 @@ import torch
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.weights.buckets import Bucket, hf_buckets
+from megatron_areal.weights.buckets import hf_buckets
 from megatron_areal.weights.config import WeightsConfig
 from megatron_areal.weights.gather import is_stage_head, takes_part
 from megatron_areal.weights.link import Pending, StageLink
@@ -29,12 +29,10 @@ class StagePush:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups, *,
                  config: WeightsConfig, fleet: Fleet | None, master_address: str, backend: str,
-                 dtype: torch.dtype | None, merge: Callable[[Outcome], Outcome],
-                 on_bucket: Callable[[], Callable[[int, Bucket], None] | None]) -> None:
+                 dtype: torch.dtype | None, merge: Callable[[Outcome], Outcome]) -> None:
         self.chunks, self.arch, self.groups, self.config = list(chunks), arch, groups, config
         self.fleet, self.master_address, self.backend, self.dtype = fleet, master_address, backend, dtype
         self.merge = merge  # every rank's outcome, combined on all ranks
-        self.on_bucket = on_bucket  # the progress hook as it is now (the caller may swap it between pushes)
         self.is_head = is_stage_head(groups)
         self.link: StageLink | None = None
         self.generation = 0
@@ -73,7 +71,6 @@ class StagePush:
         awaited before k+1 is announced, so each group sees one request at a time.
         """
         pending = None
-        on_bucket = self.on_bucket()
         buckets = hf_buckets(self.chunks, self.arch, self.groups, bucket_bytes=self.config.bucket_bytes,
                              flat=self.config.flattened_bucket, dtype=self.dtype, device=self.groups.device)
         clock = time.perf_counter()
@@ -91,8 +88,6 @@ class StagePush:
             local.buckets += 1
             local.bytes_sent += bucket.nbytes
             local.max_bucket_bytes = max(local.max_bucket_bytes, bucket.nbytes)
-            if on_bucket is not None:
-                on_bucket(local.buckets - 1, bucket)
             clock = time.perf_counter()
         local.gather_seconds += time.perf_counter() - clock
         if pending is not None:
