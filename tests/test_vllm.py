@@ -316,6 +316,7 @@ def test_verified_push_compares_vllm_weight_checker_and_names_a_corrupted_tensor
     assert r.get("type") == "WeightMismatch", r
     assert "tensor 'model.norm.weight' on server " + url in r["error"] and "weights v22" in r["error"], r
     assert trainer.run(_w_verified_sync, "23")[0] == {"verified": len(comparable)}  # a clean push repairs it
+    trainer.run(_w_sync, "2", str(model))  # the state the module's later tests start from: the model at version 2
 
 
 @pytest.mark.timeout(900)

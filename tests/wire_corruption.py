@@ -1,7 +1,8 @@
-"""A hook on the wire for the weight push's tests: flip one bit of one tensor in one bucket as the stage head
-posts it (``weights/link.StageLink.post``), on a copy, so the trainer's own weights stay as they are and the
-servers really receive and install the changed bytes. The lowest mantissa bit of a little-endian float: the
-value stays finite, so no receiver refuses it for that."""
+"""A hook on the wire for the weight push's tests: flip one bit of one tensor as it leaves the trainer, on a
+copy, so the trainer's own weights stay as they are and the servers really receive and install the changed
+bytes. On the stage heads' path the bit is flipped in a bucket the head posts (``weights/link.StageLink.post``);
+on the shard path in a slice a rank packs for the wire (``weights/shard_send.SliceSource.values``). The lowest
+mantissa bit of a float: the value stays finite, so no receiver refuses it for that."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ import torch
 def corrupt_on_the_wire(name: str | None = None, bucket_index: int = 0) -> Iterator[dict[str, str]]:
     """Within the block, the first flat bucket holding ``name`` (``None``: bucket ``bucket_index``'s last
     tensor) goes out with one bit of that tensor flipped; the dict yielded gets ``{"name": ...}`` once done."""
-    from megatron_areal.weights import link
+    from megatron_areal.weights import link, shard_send
 
     done: dict[str, str] = {}
     seen = [0]
@@ -38,8 +39,26 @@ def corrupt_on_the_wire(name: str | None = None, bucket_index: int = 0) -> Itera
             done["name"] = target
         return original(self, bucket, version)
 
+    names: list[str] = []  # the shard path's tensors in the order this rank packs them
+    original_values = shard_send.SliceSource.values
+
+    def values(self, source, want):
+        tensor = original_values(self, source, want)
+        if want.name not in names:
+            names.append(want.name)
+        target = name if name is not None else (names[bucket_index] if len(names) > bucket_index else None)
+        if done or want.name != target:
+            return tensor
+        flipped = tensor.clone()
+        lanes = flipped.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flipped.element_size()])
+        lanes[lanes.numel() // 2] ^= 1  # an element mid-slice
+        done["name"] = target
+        return flipped
+
     link.StageLink.post = post
+    shard_send.SliceSource.values = values
     try:
         yield done
     finally:
         link.StageLink.post = original
+        shard_send.SliceSource.values = original_values
