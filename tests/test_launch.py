@@ -31,8 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def procs_mentioning(text: str) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
-        if any(text in part for part in (p.info["cmdline"] or [])):
-            found.append(p)
+        try:
+            if any(text in part for part in (p.info["cmdline"] or [])):
+                found.append(p)
+        except psutil.Error:  # the process ended while it was read
+            continue
     return found
 
 

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import pytest
 from netutil import free_port_range, free_ports
+from test_launch import procs_mentioning, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/train_tiny.yaml"
@@ -29,27 +29,6 @@ TINY = ROOT / "configs/train_tiny.yaml"
 AGENT = ("rollout.workflow=megatron_areal.agent.calculator_task:run_episode", "data.train=calculator",
          "data.eval=calculator-eval", "data.eval_size=64", "rollout.max_turns=2", "model.max_seq_len=1024",
          "rollout.max_episode_tokens=1024", "rollout.max_new_tokens=32")
-
-
-def procs_mentioning(text: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(text in part for part in (p.info["cmdline"] or [])):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-def wait_until(cond, timeout_s: float, what: str, poll_s: float = 0.02):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def launch(run_dir: Path, base: int, master: int, *overrides: str) -> subprocess.Popen:

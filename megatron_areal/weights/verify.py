@@ -90,14 +90,12 @@ def trainer_sums(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: Par
         held = getattr(torch, server_dtypes.get(hf.name, str(tensor.dtype).removeprefix("torch.")))
         values = tensor if wire_dtype is None else tensor.to(wire_dtype)
         parts[hf.name] = add_sums(parts.get(hf.name, (0, 0)), slice_sum(values.to(held), hf.shape, hf.dim, hf.start))
-    first = dist.get_rank(control_group) == 0
-    gathered: list[dict[str, Sums] | None] | None = [None] * dist.get_world_size(control_group) if first else None
-    dist.gather_object(parts, gathered, group=control_group, group_dst=0)
-    if not first:
+    gathered = _gather_on_first(parts, control_group)
+    if gathered is None:
         return None
     total: dict[str, Sums] = {}
-    for rank_parts in gathered or []:
-        for name, sums in (rank_parts or {}).items():
+    for rank_parts in gathered:
+        for name, sums in rank_parts.items():
             total[name] = add_sums(total.get(name, (0, 0)), sums)
     return {name: format_sum(sums) for name, sums in total.items()}
 
@@ -160,14 +158,12 @@ def vllm_expected(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: Pa
         if hf.whole and hf.name in names and (server_tp == 1 or plan.split_dims.get(hf.name) is None):
             data = vllm_layout(hf.name, tensor.to(dtype)).contiguous().cpu().reshape(-1).view(torch.uint8)
             mine[hf.name] = hashlib.sha256(data.numpy()).hexdigest()
-    first = dist.get_rank(control_group) == 0
-    gathered: list[dict[str, str] | None] | None = [None] * dist.get_world_size(control_group) if first else None
-    dist.gather_object(mine, gathered, group=control_group, group_dst=0)
-    if not first:
+    gathered = _gather_on_first(mine, control_group)
+    if gathered is None:
         return None
     out: dict[str, str] = {}
-    for part in gathered or []:
-        out.update(part or {})
+    for part in gathered:
+        out.update(part)
     return out
 
 
@@ -240,3 +236,11 @@ def _close_update(sync: WeightSync) -> None:
         failed = sync.fleet.each(list(sync.servers), lambda c: weight_calls(c).end_weight_update())
         for message in failed.values():
             log.error("ending the weight update after a failed verification: %s", message)
+
+
+def _gather_on_first(part: dict, group: dist.ProcessGroup) -> list[dict] | None:
+    """Collective: every rank's ``part`` on rank 0 of ``group`` (a list, one per rank); None on the others."""
+    first = dist.get_rank(group) == 0
+    gathered: list[dict | None] | None = [None] * dist.get_world_size(group) if first else None
+    dist.gather_object(part, gathered, group=group, group_dst=0)
+    return [g or {} for g in gathered] if gathered is not None else None
