@@ -10,7 +10,12 @@ advantage-weighted change of each sample's mean token logprob at the sampling te
 policy-gradient step raises). Each group starts from fresh weights on both sides.
 
 Check before any RESULT: the two sides' logprobs of the groups agree before the update (the same model).
-``RESULT update_gain_vs_plain R``: ours' improvement over the plain loop's, mean over the groups.
+``RESULT update_gain_vs_plain R``: ours' mean improvement over the plain loop's mean improvement (a ratio of
+means: in bf16 the plain loop's improvement of one group is near zero and of either sign, and a mean of
+per-group ratios then swings from -30 to +30 on the same updates). The plain loop's mean must be positive,
+or there is no ratio to report and the bench exits non-zero saying so. Both sides compute in fp32 unless
+``model.dtype=bfloat16`` is given: fp32 is what the main job runs on a CPU without native bf16, and what a
+user of the plain loop picks anywhere (its bf16 autocast rounds away steps of lr 1e-5, docs/benchmarks.md).
 
     python bench/update_vs_plain.py [--config configs/smollm2_arith.yaml] [--groups 4] [key=value ...]
 """
@@ -78,7 +83,7 @@ def main() -> None:
     from megatron_areal.records import Trajectory
     from megatron_areal.util.compute_dtype import runnable_dtype
 
-    cfg = load_config(str(args.config), args.override)
+    cfg = load_config(str(args.config), ["model.dtype=float32", *args.override])  # a later override wins
     dtype = runnable_dtype(getattr(torch, "float32" if cfg.model.dtype == "auto" else cfg.model.dtype),
                            torch.device("cpu"), "model.dtype")
     temperature = cfg.rollout.temperature
@@ -92,7 +97,7 @@ def main() -> None:
     hf_dir = resolve_model(cfg.model.path)
     arch = load_arch(hf_dir)
     results = Results("update_vs_plain")
-    ratios = []
+    gains: dict[str, list[float]] = {"ours": [], "plain": []}
     print(f"compute dtype {str(dtype).removeprefix('torch.')}, lr {cfg.optimizer.lr:g}, temperature {temperature}")
     for k, (out, width, rewards) in enumerate(groups):
         seqs = plain_grpo.trained_sequences(out, width, eos)
@@ -119,11 +124,16 @@ def main() -> None:
         ours_after = [lp[width - 1:].float() for lp in actor.compute_logprobs(seqs, temperature)]
         ours_gain = improvement(ours_before, ours_after, rewards)
         del actor
-        ratios.append(ours_gain / plain_gain if plain_gain else float("nan"))
+        gains["ours"].append(ours_gain)
+        gains["plain"].append(plain_gain)
         print(f"group {k} (rewards {rewards.tolist()}): improvement ours {ours_gain:+.4f}, plain {plain_gain:+.4f}, "
               f"logprob gap before {gap:.4f}", flush=True)
     teardown_parallel()
-    results.add("update_gain_vs_plain", statistics.fmean(ratios), digits=2)
+    ours, plain = statistics.fmean(gains["ours"]), statistics.fmean(gains["plain"])
+    print(f"mean improvement over {len(groups)} groups: ours {ours:+.4f}, plain {plain:+.4f}")
+    results.check(plain > 0, f"the plain loop's updates did not raise its groups' advantage-weighted logprobs "
+                             f"(mean {plain:+.4f}): no ratio to report")
+    results.add("update_gain_vs_plain", ours / plain if plain > 0 else float("nan"), digits=2)
     sys.exit(results.emit())
 
 
