@@ -51,6 +51,10 @@ def test_main_job_on_vllm_learns_and_readmits_a_killed_server(tmp_path: Path) ->
     cfg["server"].update(engine="vllm", python=VLLM_PYTHON, count=2, startup_timeout_s=900, max_restarts=2,
                          restart_backoff_s=0.5)
     cfg["weights"] = {"timeout_s": 300}
+    # 16 samples a prompt (64 a step): with 32, a step without any rewarded reply (no gradient) had a chance
+    # near 1 in 4 under the random policy, and Adam's momentum kept moving the weights through such steps; a
+    # run drifted away from the zeros and scored 0 on its last 18 steps (0.02 -> 0.00).
+    cfg["rollout"]["group_size"] = 16
     path = tmp_path / "zeros-vllm.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_dir = Path(cfg["train"]["run_dir"])
