@@ -44,3 +44,10 @@ def test_bf16_can_be_kept_on_purpose(monkeypatch) -> None:
     monkeypatch.setattr(compute_dtype, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setenv(compute_dtype.BF16_ANYWAY_ENV, "1")
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_a_bf16_cpu_can_run_as_one_without(monkeypatch) -> None:
+    """``MEGATRON_AREAL_CPU_BF16=0``: how an AVX512-BF16 machine measures what an AVX2 user sees."""
+    monkeypatch.setattr(compute_dtype, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setenv(compute_dtype.BF16_ANYWAY_ENV, "0")
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.float32

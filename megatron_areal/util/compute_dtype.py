@@ -13,7 +13,9 @@ import os
 import torch
 
 log = logging.getLogger(__name__)
-# "1": keep bf16 on any CPU (many times slower without native bf16; tests of the bf16 paths set it)
+# "1": keep bf16 on any CPU (many times slower without native bf16; tests of the bf16 paths set it);
+# "0": compute as on a CPU without native bf16 (with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and
+# MKL_ENABLE_INSTRUCTIONS=AVX2, an AVX512 machine runs the main job as an AVX2-only CPU would)
 BF16_ANYWAY_ENV = "MEGATRON_AREAL_CPU_BF16"
 
 
@@ -34,9 +36,10 @@ def cpu_has_native_bf16() -> bool:
 
 def runnable_dtype(dtype: torch.dtype, device: torch.device, who: str) -> torch.dtype:
     """``dtype``, or fp32 where it is bf16 on a CPU without native bf16 matmuls (``who`` names the
-    setting in the warning) unless ``MEGATRON_AREAL_CPU_BF16=1``."""
-    if (dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16()
-            and os.environ.get(BF16_ANYWAY_ENV) != "1"):
+    setting in the warning) unless ``MEGATRON_AREAL_CPU_BF16=1`` (``=0``: as if the CPU had none)."""
+    forced = os.environ.get(BF16_ANYWAY_ENV)
+    native = cpu_has_native_bf16() if forced != "0" else False
+    if dtype == torch.bfloat16 and device.type == "cpu" and not native and forced != "1":
         log.warning("%s=bfloat16: this CPU has no native bf16 matmul (AVX512-BF16/AMX), where bf16 runs "
                     "many times slower than fp32; computing in float32 instead", who)
         return torch.float32
