@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 from netutil import http_call
 from safetensors.torch import save_file
 
@@ -302,34 +303,45 @@ def test_non_finite_weights_from_disk_are_refused(server, model, tmp_path, value
     assert status == 200 and all(isinstance(lp, float) for lp, _, _ in reply["meta_info"]["output_token_logprobs"])
 
 
-def test_non_finite_bucket_from_the_trainer_is_refused(server, model) -> None:
-    url, port = server.url, free_port()
+def broadcast_bucket(url: str, group_name: str, name: str, tensor: torch.Tensor,
+                     key: str | None = KEY) -> tuple[Any, Any]:
+    """Joins a weight group with the server as the trainer does, broadcasts ``tensor`` as the bucket of
+    ``name`` and returns the server's (status, reply) to that update; the group is left afterwards."""
+    port = free_port()
     with ThreadPoolExecutor(1) as ex:
         trainer = ex.submit(WeightUpdateGroup, master_address="127.0.0.1", master_port=port, rank=0,
-                            world_size=2, group_name="nan", backend="gloo", timeout_s=30)
+                            world_size=2, group_name=group_name, backend="gloo", timeout_s=30)
         status, reply = call(url, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": "nan", "backend": "gloo"})
+            "group_name": group_name, "backend": "gloo"}, key=key)
         group = trainer.result(timeout=60)
     assert status == 200, reply
+    try:
+        assert call(url, "/begin_weight_update", {"selector": "all"}, key=key)[0] == 200
+        with ThreadPoolExecutor(1) as ex:
+            pending = ex.submit(call, url, "/update_weights_from_distributed", {
+                "names": [name], "dtypes": [str(tensor.dtype).removeprefix("torch.")],
+                "shapes": [list(tensor.shape)], "group_name": group_name, "weight_version": group_name},
+                key=key, timeout=60)
+            time.sleep(0.5)
+            group.broadcast(tensor)
+            answer = pending.result(timeout=60)
+        assert call(url, "/end_weight_update", {}, key=key)[0] == 200
+        return answer
+    finally:
+        call(url, "/destroy_weights_update_group", {"group_name": group_name}, key=key)
+        group.destroy()
+
+
+def test_non_finite_bucket_from_the_trainer_is_refused(server, model) -> None:
     tensors = read_safetensors(model)
     name = sorted(n for n in tensors if n.endswith("self_attn.o_proj.weight"))[0]
     bad = tensors[name].clone()
     bad.view(-1)[3] = float("nan")
-    before = checksums(url)
-    try:
-        assert call(url, "/begin_weight_update", {"selector": "all"})[0] == 200
-        with ThreadPoolExecutor(1) as ex:
-            pending = ex.submit(call, url, "/update_weights_from_distributed", {
-                "names": [name], "dtypes": [str(bad.dtype).removeprefix("torch.")], "shapes": [list(bad.shape)],
-                "group_name": "nan", "weight_version": "nan"}, timeout=60)
-            time.sleep(0.5)
-            group.broadcast(bad)
-            status, reply = pending.result(timeout=60)
-        assert status == 400 and name in message(reply) and "finite" in message(reply), reply
-        assert call(url, "/end_weight_update", {})[0] == 200
-        assert checksums(url) == before
-        assert call(url, "/health")[0] == 200 and generate_ok(url)
-    finally:
-        call(url, "/destroy_weights_update_group", {"group_name": "nan"})
-        group.destroy()
+    before = checksums(server.url)
+    status, reply = broadcast_bucket(server.url, "nan", name, bad)
+    assert status == 400 and name in message(reply) and "finite" in message(reply), reply
+    assert checksums(server.url) == before
+    assert call(server.url, "/health")[0] == 200 and generate_ok(server.url)
+
+

@@ -23,12 +23,11 @@ import pytest
 import torch
 from netutil import http_call
 from safetensors.torch import save_file
+from test_server_hostile import broadcast_bucket
 
 from megatron_areal.launch.embedded import start_embedded
 from megatron_areal.model.assets import make_tiny_model
 from megatron_areal.server.weights import read_safetensors
-from megatron_areal.util.netutil import free_port
-from megatron_areal.weights.wire import WeightUpdateGroup
 
 KEY = "round3-key"
 MAX_CONNECTIONS = 16
@@ -429,31 +428,12 @@ def test_non_float_weights_from_disk_are_refused(server, model, tmp_path, dtype)
 
 
 def test_non_float_bucket_from_the_trainer_is_refused(server, model) -> None:
-    url, port = server.url, free_port()
-    with ThreadPoolExecutor(1) as ex:
-        trainer = ex.submit(WeightUpdateGroup, master_address="127.0.0.1", master_port=port, rank=0,
-                            world_size=2, group_name="ints", backend="gloo", timeout_s=30)
-        status, reply = call(url, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": "ints", "backend": "gloo"})
-        group = trainer.result(timeout=60)
-    assert status == 200, reply
     tensors = read_safetensors(model)
     name = sorted(n for n in tensors if n.endswith("self_attn.q_proj.weight"))[0]
     bad = (tensors[name] * 4).to(torch.int64)
-    before = checksums(url)
-    try:
-        assert call(url, "/begin_weight_update", {"selector": "all"})[0] == 200
-        with ThreadPoolExecutor(1) as ex:
-            pending = ex.submit(call, url, "/update_weights_from_distributed", {
-                "names": [name], "dtypes": ["int64"], "shapes": [list(bad.shape)],
-                "group_name": "ints", "weight_version": "ints"}, timeout=60)
-            time.sleep(0.5)
-            group.broadcast(bad)
-            status, reply = pending.result(timeout=60)
-        assert status == 400 and name in message(reply) and "int64" in message(reply), reply
-        assert call(url, "/end_weight_update", {})[0] == 200
-        assert checksums(url) == before
-    finally:
-        call(url, "/destroy_weights_update_group", {"group_name": "ints"})
-        group.destroy()
+    before = checksums(server.url)
+    status, reply = broadcast_bucket(server.url, "ints", name, bad, key=KEY)
+    assert status == 400 and name in message(reply) and "int64" in message(reply), reply
+    assert checksums(server.url) == before
+
+
