@@ -119,8 +119,8 @@ class VLLMWeightCalls(WeightCalls):
                                               timeout_s: float | None = None, lora_scale: float | None = None) -> None:
         """``/update_weights`` with one bucket (adapters with ``lora_scale``: our plugin merges them); the caller
         broadcasts it while this call is pending. Then ``/update_weight_version``: the server is paused (the
-        weight push pauses it first), so no token is generated between the label and the weights it names; each pipeline stage's head labels its own
-        buckets, so no call needs to know which bucket is the last."""
+        weight push pauses it first), so no token is generated between the label and the weights it names;
+        each pipeline stage's head labels its own buckets, so no call needs to know which bucket is the last."""
         info: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "flattened": flattened_bucket,
                                 "group_name": group_name}
         if lora_scale is not None:
