@@ -78,3 +78,14 @@ def test_a_lora_run_pushes_only_adapters_to_the_embedded_server(tmp_path: Path) 
     path = tmp_path / "lora.yaml"
     path.write_text(yaml.safe_dump(cfg))
     check_adapter_run(cfg, tmp_path, train(path, timeout=600))
+
+
+@pytest.mark.slow
+def test_adapters_gathered_over_tp_and_pp_reach_the_server(tmp_path: Path) -> None:
+    """TP2 x PP2: A (row-parallel) and B (column-parallel) are split over TP and the layers over two stages;
+    each stage head gathers its stage's halves and pushes them (four trainer ranks)."""
+    cfg = lora_config(tmp_path)
+    cfg["parallel"] = {"tp": 2, "pp": 2}
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    check_adapter_run(cfg, tmp_path, train(path, timeout=800))
