@@ -85,6 +85,18 @@ class WeightCalls:
             "manifest": manifest, "senders": senders, "group_name": group_name, "weight_version": weight_version,
             "timeout_s": timeout_s}, timeout_s=timeout_s * (len(manifest["rounds"]) + 2))
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False,
+                                timeout_s: float | None = None) -> None:
+        """SGLang's ``/load_lora_adapter`` (``LoadLoRAAdapterReqInput``): load the PEFT folder ``lora_path``, on a
+        filesystem the server reads, as adapter ``lora_name``; requests name it in ``lora_path``. SGLang answers
+        ``success: false`` (HTTP 400) for a name already loaded."""
+        await self.client.control("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path,
+                                                         "pinned": pinned}, timeout_s=timeout_s)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """SGLang's ``/unload_lora_adapter`` (``UnloadLoRAAdapterReqInput``)."""
+        await self.client.control("/unload_lora_adapter", {"lora_name": lora_name})
+
 
 class VLLMWeightCalls(WeightCalls):
     """vLLM's weight-transfer routes on one server (the plugin's group engine receives)."""
