@@ -86,7 +86,8 @@ def stage_hf_tensors(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups:
     if not takes_part(groups):
         return
     for chunk in chunks:
-        # a model.lora run pushes merged weights (base + B @ A * scale): the servers serve the trained policy
+        # a model.lora run's merged weights (base + B @ A * scale), for SGLang and the disk path; the embedded server
+        # and vLLM get the adapters alone (stage_adapter_tensors)
         adapters = getattr(unwrap(chunk), ADAPTERS, None)
         for name, param in named_global_params(chunk):
             if mapping.is_expert(name):
