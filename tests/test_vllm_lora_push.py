@@ -1,7 +1,8 @@
 """A ``model.lora`` run against a real vLLM CPU server: only A and B travel; the project's weight-transfer plugin
 merges them into the base it keeps (``vllm_plugin/adapters.py`` says why not vLLM's own LoRA loading), so
-the server's logprobs follow the trainer's adapters (``train/rollout_mismatch_abs`` within vLLM's CPU kernels'
-distance from the trainer's; a server left on the base model reads about 0.1 after a few steps).
+the server's logprobs follow the trainer's adapters (``train/rollout_mismatch_abs`` about 1e-7 in fp32, measured;
+a server left on the base model reads about 0.1 after a few steps, and one whose fused ``qkv_proj`` is reloaded
+from q and v alone, without the kept k, 1e-3 to 3e-2).
 
 Skipped, with the reason, only where the vLLM environment is absent; CI installs it.
 """
@@ -14,7 +15,6 @@ import yaml
 from test_lora_push import check_adapter_run, lora_config
 from test_main_job import train
 from test_vllm import VLLM_PYTHON
-from test_vllm_main_job import MAX_MISMATCH
 
 pytestmark = pytest.mark.skipif(not Path(VLLM_PYTHON).exists(),
                                 reason=f"no vLLM environment at {VLLM_PYTHON} (scripts/install_vllm.sh makes it)")
@@ -32,5 +32,4 @@ def test_a_lora_run_pushes_only_adapters_to_vllm(tmp_path: Path) -> None:
     cfg["weights"] = {"timeout_s": 300}
     path = tmp_path / "lora-vllm.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    check_adapter_run(cfg, tmp_path, train(path, timeout=RUN_TIMEOUT_S), max_mismatch=MAX_MISMATCH,
-                      model=Path(cfg["model"]["path"]))
+    check_adapter_run(cfg, tmp_path, train(path, timeout=RUN_TIMEOUT_S), model=Path(cfg["model"]["path"]))
