@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 
 import torch
@@ -341,18 +342,18 @@ def adapter_name(hf_weight: str, matrix: str) -> str:
 class AdapterMerge:
     """The receiving side's adapters: the kept base of every adapted weight and its latest ``A`` and ``B``.
 
-    ``base_of(hf_name)`` returns the weight as served before any adapter (read once per weight); a whole
-    weight pushed later (``forget``) becomes the new base of nothing: its adapter is dropped with its copy.
+    ``base_of(hf_name)`` returns the weight as served before any adapter (read once per weight). A whole weight
+    pushed later replaces the weight outright: ``forget`` drops its kept base and adapter.
     """
 
-    def __init__(self, base_of: object) -> None:
+    def __init__(self, base_of: Callable[[str], torch.Tensor]) -> None:
         self._base_of = base_of
         self.base: dict[str, torch.Tensor] = {}
         self.pairs: dict[str, dict[str, torch.Tensor]] = {}
         self.scale: float | None = None
 
     def merged(self, tensors: dict[str, torch.Tensor], scale: float | None,
-               shape_of: object) -> dict[str, torch.Tensor]:
+               shape_of: Callable[[str], Sequence[int] | None]) -> dict[str, torch.Tensor]:
         """``tensors`` with every adapter tensor replaced by the merged weight it changes (other names pass
         through). ``shape_of(hf_name)`` is the served weight's shape (None: no such weight). ``ValueError``
         names a bad adapter (unknown target, shapes that do not fit, no ``lora_scale``) before anything is
@@ -373,7 +374,7 @@ class AdapterMerge:
         for target, pair in updates.items():
             self.pairs.setdefault(target, {}).update({m: t.detach().float().clone() for m, t in pair.items()})
             if target not in self.base:
-                self.base[target] = self._base_of(target).detach().clone()  # type: ignore[operator]
+                self.base[target] = self._base_of(target).detach().clone()
             value = self.value(target)
             if value is not None:  # None: the other half comes in the next bucket
                 plain[target] = value
@@ -387,20 +388,20 @@ class AdapterMerge:
         update = kept["B"].to(base.device) @ kept["A"].to(base.device)
         return (base.float() + self.scale * update).to(base.dtype)
 
-    def forget(self, names: object) -> None:
+    def forget(self, names: Iterable[str]) -> None:
         """Whole weights arrived for ``names``: their kept base and adapters no longer describe them."""
-        for name in names:  # type: ignore[attr-defined]
+        for name in names:
             self.base.pop(name, None)
             self.pairs.pop(name, None)
 
     @staticmethod
-    def _check(target: str, pair: dict[str, torch.Tensor], shape: object) -> None:
+    def _check(target: str, pair: dict[str, torch.Tensor], shape: Sequence[int] | None) -> None:
         if shape is None:
             raise ValueError(f"adapter for {target}: the model has no such weight")
         if not all(t.dim() == 2 and t.is_floating_point() for t in pair.values()):
             raise ValueError(f"adapter for {target}: A and B must be 2-d floating-point matrices")
         a, b = pair.get("A"), pair.get("B")
-        out_f, in_f = shape  # type: ignore[misc]
+        out_f, in_f = shape
         if a is not None and a.shape[1] != in_f or b is not None and b.shape[0] != out_f or \
                 a is not None and b is not None and a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter for {target}: A {list(a.shape) if a is not None else None} and B "
