@@ -130,7 +130,7 @@ def worker(config: str, threads: int) -> None:
         elif cmd["do"] == "finish":
             now = base_weights() if adapters else {}
             changed = [n for n in base if not torch.equal(base[n], now[n])]
-            b_norm = sum(float(a.layers[k][t].B.float().norm()) for a in adapters for k in a.layers
+            b_norm = sum(float(a.layers[k][t].B.detach().float().norm()) for a in adapters for k in a.layers
                          for t in a.layers[k])
             reply(peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, base_changed=changed,
                   adapter_b_norm=b_norm)
@@ -231,6 +231,8 @@ def learning(args, results: Results) -> dict[str, float] | None:
     rows = []
     for seed in args.seeds:
         for name, config in zip(ARMS, (args.config, args.lora_config), strict=True):
+            if name not in args.arms:
+                continue
             run_dir = args.out / f"{name}-seed{seed}"
             wall_file = run_dir / "bench_wall_s.json"
             record = RunRecord.read(run_dir)
@@ -287,6 +289,10 @@ def main() -> None:
     ap.add_argument("--learning", action="store_true", help="also run the main job per seed and arm (long)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--out", type=Path, default=Path("runs/lora_bench"), help="run directories of --learning")
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
+                    help="--learning: run only these arms (the RESULT needs both; finished runs are read back)")
+    ap.add_argument("--quick", action=argparse.BooleanOptionalAction, default=True,
+                    help="the trainer-rank comparison (--no-quick: only --learning, bytes from the runs' metrics)")
     ap.add_argument("--run-timeout", type=float, default=3600, help="seconds one main-job run may take")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -295,13 +301,13 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT))
     results = Results("lora")
-    arms = quick(args, results)
+    arms = quick(args, results) if args.quick else None
     measured = learning(args, results) if args.learning else None
     if measured:
         print(f"bytes a push moved (weights/bytes_pushed, mean over the runs' steps): full "
               f"{measured['full'] / 1e6:.2f} MB, LoRA {measured['lora'] / 1e6:.3f} MB")
         results.add("lora_push_bytes_vs_full", measured["lora"] / measured["full"], digits=4)
-    else:
+    elif arms:
         print(f"bytes a push moves, from the tensors it sends (not a run's weights/bytes_pushed): full "
               f"{arms['full']['push_bytes'] / 1e6:.2f} MB, LoRA {arms['lora']['push_bytes'] / 1e6:.3f} MB")
         results.add("lora_push_bytes_vs_full", arms["lora"]["push_bytes"] / arms["full"]["push_bytes"], digits=4)
