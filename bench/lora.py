@@ -18,10 +18,11 @@ Then, side by side:
     RESULT lora_peak_memory_vs_full   the trainer rank's peak resident set (ru_maxrss), LoRA over full (<= 0.6)
     RESULT lora_step_time_vs_full     median PPO step time after the same warm-up, LoRA over full (<= 1.0)
 
-The push bytes come from the tensors a push sends: for full fine-tuning every HF tensor the push gathers
-(weights/gather.py, in the push's dtype), for LoRA the adapters' ``A`` and ``B`` of every targeted
-projection. With ``--learning``, where both arms' runs logged ``weights/bytes_pushed`` (the bytes each
-push really sent), the RESULT is their ratio instead; the output says which it is.
+The push bytes come from the tensors a push sends (weights/gather.py): for full fine-tuning every HF tensor
+the push gathers, in the push's dtype; for LoRA the adapter push's whole ``A`` and ``B`` of every targeted
+projection (``stage_adapter_tensors``; SGLang still gets merged weights, a full push). With ``--learning``,
+where both arms' runs logged ``weights/bytes_pushed`` (the bytes each push really sent), the RESULT is their
+ratio instead; the output says which it is.
 
 ``--learning`` adds the held-out comparison: the main job itself (``megatron-areal train``) for each seed
 of ``--seeds``, full then LoRA, each run's accuracy on the 200 held-out problems before and after and its
@@ -77,7 +78,7 @@ def worker(config: str, threads: int) -> None:
     from megatron_areal.model.assets import resolve_model
     from megatron_areal.model.weights import load_hf_weights
     from megatron_areal.util.heap import release_freed_memory
-    from megatron_areal.weights.gather import stage_hf_tensors
+    from megatron_areal.weights.gather import stage_adapter_tensors, stage_hf_tensors
 
     torch.set_num_threads(threads)
     out = sys.stdout
@@ -105,8 +106,8 @@ def worker(config: str, threads: int) -> None:
         return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(actor.model) for n, p in c.named_parameters()
                 if not p.requires_grad}
 
-    if adapters:  # what an adapter-only push sends: every targeted projection's A and B
-        push = [p for a in adapters for p in a.parameters()]
+    if adapters:  # what the adapter push sends: every targeted projection's whole A and B (PEFT's names)
+        push = [t for _, t in stage_adapter_tensors(actor.model, groups)]
     else:  # what a full push sends: every HF tensor, as weights/stage_push.py gathers it
         push = [t for _, t in stage_hf_tensors(actor.model, arch, groups, dtype=actor.dtype)]
     base = base_weights() if adapters else {}
