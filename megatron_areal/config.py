@@ -90,10 +90,11 @@ class Config:
         require(not self.ppo.routing_replay or self.rollout.return_routed_experts, "ppo.routing_replay",
                 "true requires rollout.return_routed_experts: true (the rollout's routes are what the trainer replays)")
         require(not (self.model.lora.enabled and self.weights.verify), "weights.verify",
-                "does not yet cover a model.lora run's merged push (the checksums are of the base weights' shards); "
+                "does not yet cover a model.lora run's push (the checksums are of the base weights' shards); "
                 "set weights.verify: false")
         require(not (self.model.lora.enabled and self.weights.transfer == "shards"), "weights.transfer",
-                "shards is not offered for a model.lora run: it pushes merged weights, which the stage heads build; "
+                "shards is not offered for a model.lora run: the stage heads push its adapters (merged weights to "
+                "SGLang); "
                 "use stage_heads or auto")
         require(not (self.model.lora.enabled and self.parallel.sequence_parallel), "parallel.sequence_parallel",
                 "is not supported with model.lora (the adapters take the projection's whole input)")

@@ -45,6 +45,8 @@ REQUESTS = {  # endpoint -> SGLang's request class (sglang/srt/entrypoints/http_
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
 VOCAB = 1 << 16
 JOIN_TIMEOUT_S = 60.0
@@ -93,6 +95,7 @@ class Receiver:
         self.in_session = False
         self.tensors: dict[str, torch.Tensor] = {}
         self.version = "default"
+        self.adapters: dict[str, str] = {}  # LoRA name -> the folder it was loaded from
         self.received: list[dict[str, Any]] = []  # every validated body, in arrival order
         self.updates: list[str] = []  # group name of every received bucket, in order
         self.running = asyncio.Event()  # cleared by /pause_generation, set by /continue_generation
@@ -166,6 +169,13 @@ class Receiver:
             self.running.clear()
         elif path == "/continue_generation":
             self.running.set()
+        elif path == "/load_lora_adapter":  # a name loaded twice is refused (srt/lora/lora_manager.py)
+            if req.lora_name in self.adapters:
+                raise Refused(f"Failed to load LoRA adapter {req.lora_name} because it is already loaded")
+            self.adapters[req.lora_name] = req.lora_path
+        elif path == "/unload_lora_adapter":
+            if self.adapters.pop(req.lora_name, None) is None:
+                raise Refused(f"LoRA adapter {req.lora_name} is not loaded")
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -1,5 +1,6 @@
 """A ``model.lora`` run end to end: ``megatron-areal train`` on a tiny Llama with an embedded rollout server
-(merged weight pushes), two steps and a checkpoint, whose ``--adapter-only`` export the real ``peft`` loads.
+(adapter pushes: tests/test_lora_push.py), two steps and a checkpoint, whose ``--adapter-only`` export the
+real ``peft`` loads.
 
 The wiring only: a random tiny model earns no reward, so its gradients are zero and the adapters stay at
 their start (``B = 0``); tests/test_lora.py trains adapters and checks the numbers."""

@@ -201,6 +201,7 @@ def test_receiver_refuses_fields_sglang_does_not_know(receivers: list[ReceiverPr
         async with RolloutClient(receivers[0].url) as c:
             for endpoint, body in [("/pause_generation", {"mode": "abort", "timeout": 3}),
                                    ("/update_weight_version", {"new_version": 4}),
+                                   ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/x", "lora_alpha": 2}),
                                    ("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}})]:
                 try:
                     await c.request("POST", endpoint, body)
@@ -208,7 +209,36 @@ def test_receiver_refuses_fields_sglang_does_not_know(receivers: list[ReceiverPr
                     errors.append(str(e))
         return errors
 
-    assert len(asyncio.run(drive())) == 3
+    assert len(asyncio.run(drive())) == 4
+
+
+@pytest.mark.parametrize("receivers", [1], indirect=True)
+def test_lora_adapter_calls_are_valid_sglang_requests(receivers: list[ReceiverProcess], tmp_path: Path) -> None:
+    """``/load_lora_adapter`` and ``/unload_lora_adapter`` parse with SGLang's ``LoadLoRAAdapterReqInput`` and
+    ``UnloadLoRAAdapterReqInput`` (unknown fields refused), and a generate request names the adapter in SGLang's
+    ``lora_path`` field; a name loaded twice comes back as the client's error."""
+    from megatron_areal.fleet.client import RolloutClient, ServerError
+    from megatron_areal.weights.endpoints import weight_calls
+
+    folder = str(tmp_path / "adapter-v3")
+
+    async def drive() -> str:
+        async with RolloutClient(receivers[0].url) as c:
+            await weight_calls(c).load_lora_adapter("policy-v3", folder)
+            await c.generate([5, 6], {"max_new_tokens": 2}, lora_path="policy-v3")
+            try:
+                await weight_calls(c).load_lora_adapter("policy-v3", folder)
+            except ServerError as e:
+                refused = str(e)
+            await weight_calls(c).unload_lora_adapter("policy-v3")
+            return refused
+
+    assert "already loaded" in asyncio.run(drive())
+    received = receivers[0].get("/received")["received"]
+    assert [e["path"] for e in received] == ["/load_lora_adapter", "/generate", "/load_lora_adapter",
+                                             "/unload_lora_adapter"]
+    assert received[0]["body"] == {"lora_name": "policy-v3", "lora_path": folder, "pinned": False}
+    assert received[1]["body"]["lora_path"] == "policy-v3"
 
 
 # ---- pipeline stages against several servers -----------------------------------------------------

@@ -29,7 +29,7 @@ import functools
 import logging
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -165,6 +165,13 @@ class LoraAdapters(torch.nn.Module):
                 local = torch.cat(shards, dim=1 if matrix == "A" else 0)
             whole.append(local)
         return tuple(whole)
+
+    def whole_pairs(self, tp_group: dist.ProcessGroup | None) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(HF weight name, whole ``A``, whole ``B``) of every adapted projection of this stage, in the same order
+        on every rank (collective over the TP group)."""
+        for hf_name, (layer, target) in self._by_hf_name.items():
+            a, b = self.full_pair(layer, target, tp_group)
+            yield hf_name, a, b
 
     def hf_updates(self, name: str, tp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
         """HF name -> whole fp32 update ``B @ A * scale`` of each adapted projection inside the global Megatron

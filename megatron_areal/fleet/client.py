@@ -188,14 +188,17 @@ class RolloutClient:
     # ---- generation ----------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
                        rid: str | None = None, *, return_routed_experts: bool = False,
-                       routed_experts_start_len: int = 0) -> GenerateResult:
+                       routed_experts_start_len: int = 0, lora_path: str | None = None) -> GenerateResult:
         """One ``/generate``. ``return_routed_experts`` asks a MoE server for the experts of each
         position from ``routed_experts_start_len`` to the last but one token (SGLang needs
-        ``--enable-return-routed-experts`` for it)."""
+        ``--enable-return-routed-experts`` for it). ``lora_path``: the name of a LoRA adapter the server
+        loaded (SGLang's field; ``/load_lora_adapter``) to generate with."""
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                                 "return_logprob": True}
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         if return_routed_experts:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routed_experts_start_len

@@ -371,9 +371,11 @@ class Api:
         group_name = field(b, "group_name", str, "weight_update_group", max_chars=MAX_NAME_CHARS)
         if field(b, "abort_all_requests", bool, False):
             await asyncio.to_thread(self.engine.abort, None)
+        lora_scale = field(b, "lora_scale", (int, float), None)  # ours: the bucket holds adapters (weights/wire.py)
         await self.weights.run(
             self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
-            group_name=group_name, version=version, flattened=load_format == "flattened_bucket")
+            group_name=group_name, version=version, flattened=load_format == "flattened_bucket",
+            lora_scale=None if lora_scale is None else float(lora_scale))
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
 
     async def update_shards(self, request: web.Request) -> web.Response:

@@ -34,7 +34,14 @@ from megatron_areal.server.weights import (
     read_safetensors,
 )
 from megatron_areal.util.compute_dtype import runnable_dtype
-from megatron_areal.weights.wire import WeightUpdateGroup, WireError, check_manifest, receive_slices
+from megatron_areal.weights.wire import (
+    AdapterMerge,
+    WeightUpdateGroup,
+    WireError,
+    adapter_target,
+    check_manifest,
+    receive_slices,
+)
 
 log = logging.getLogger(__name__)
 # While the model cannot step, an idle runner probes it this often, so /health recovers (after a
@@ -81,6 +88,8 @@ class Engine:
         self.paused = False
         self.groups: dict[str, WeightUpdateGroup] = {}
         self._update_session = False  # between /begin_weight_update and /end_weight_update
+        # a model.lora run pushes adapters only: merged here into a kept copy of the base (weights/wire.py)
+        self.adapters = AdapterMerge(lambda name: self.model.state_dict()[name])
         self._seeds = random.Random(opts.seed)
         self._lock = StepLock()  # held by a model step and by control operations (which go first)
         self._work = threading.Event()  # set when the runner may have something to do
@@ -462,7 +471,8 @@ class Engine:
         group.destroy()
 
     def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                group_name: str, version: str | None, flattened: bool) -> None:
+                                group_name: str, version: str | None, flattened: bool,
+                                lora_scale: float | None = None) -> None:
         """Receive one bucket broadcast from group rank 0, then install it.
 
         Names and shapes that do not fit the model are received and then refused, so the
@@ -478,7 +488,7 @@ class Engine:
         sizes = check_bucket_offsets(specs) if flattened else None
         with one_thread():
             tensors = _receive(group, specs, sizes)
-        self._install(tensors, version, complete=False)
+        self._install(tensors, version, complete=False, lora_scale=lora_scale)
 
     def update_from_shards(self, *, manifest: object, senders: int, group_name: str, version: str | None,
                            timeout_s: float | None = None) -> int:
@@ -511,8 +521,15 @@ class Engine:
         return count
 
     def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool,
-                 announce: bool = True) -> None:
+                 announce: bool = True, lora_scale: float | None = None) -> None:
         with self._lock, one_thread():
+            params = self.model.state_dict()
+            # whole weights replace whatever base an adapter was merged into
+            self.adapters.forget([n for n in tensors if adapter_target(n) is None])
+            try:
+                tensors = self.adapters.merged(tensors, lora_scale, lambda n: params[n].shape if n in params else None)
+            except ValueError as e:
+                raise WeightError(str(e)) from None
             load_weights(self.model, tensors, complete=complete)
             if version is not None:
                 self.weight_version = str(version)

@@ -261,6 +261,8 @@ def step_metrics(stats: dict[str, float], rollout: dict[str, float], times: Step
         "perf/trainer_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
         "perf/weight_sync_s": sync.seconds,
         "perf/weight_sync_mb": sync.bytes_sent / 1e6,
+        # bytes one server received in this step's push (all stages): whole weights, or a model.lora run's adapters
+        "weights/bytes_pushed": float(sync.bytes_sent),
         "perf/step_time_s": step_s,
         "perf/batch_wait_s": wait_s,
         "perf/trainer_idle_fraction": wait_s / max(step_s, 1e-9),

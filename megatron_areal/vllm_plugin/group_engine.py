@@ -29,7 +29,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megatron_areal.weights.wire import check_manifest, join_group, receive_slices
+from megatron_areal.vllm_plugin.adapters import VLLMAdapterMerge
+from megatron_areal.weights.wire import adapter_target, check_manifest, join_group, receive_slices
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class GroupUpdateInfo(WeightTransferUpdateInfo):
     manifest: dict[str, Any] | None = None
     senders: int = 0
     timeout_s: float = 300.0
+    lora_scale: float | None = None  # the bucket holds a model.lora run's adapters (``adapters.py`` merges them)
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
@@ -83,6 +85,7 @@ class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateI
         super().__init__(*args, **kwargs)
         self.group: dist.ProcessGroup | None = None
         self.group_name: str | None = None
+        self.adapters: VLLMAdapterMerge | None = None  # made at the first adapter push
 
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
         """Join the trainer's group as ``rank_offset`` + this worker's rank among the server's workers."""
@@ -133,6 +136,10 @@ class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateI
                 tensor = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(tensor, group=self.group, group_src=0)
                 weights.append((name, tensor))
+        if any(adapter_target(name) is not None for name in update_info.names):
+            if self.adapters is None:
+                self.adapters = VLLMAdapterMerge(self.model_config.model, self.model_config.dtype)
+            weights = self.adapters.weights(dict(weights), update_info.lora_scale)
         self.model.load_weights(weights)
 
     def _receive_shards(self, update_info: GroupUpdateInfo) -> None:

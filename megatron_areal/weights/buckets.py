@@ -19,7 +19,7 @@ import torch
 
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.weights.gather import stage_hf_tensors
+from megatron_areal.weights.gather import stage_adapter_tensors, stage_hf_tensors, stage_lora_scale
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Bucket:
     payload: list[torch.Tensor] = field(default_factory=list)  # what is broadcast, in order
     nbytes: int = 0
     flat: bool = False
+    lora_scale: float | None = None  # set when the bucket holds adapters (``wire.AdapterMerge``)
 
     def describe(self, name: str, tensor: torch.Tensor) -> None:
         self.names.append(name)
@@ -62,6 +63,19 @@ def hf_buckets(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: Paral
     if device is not None:
         tensors = ((name, tensor.to(device)) for name, tensor in tensors)
     return pack_buckets(tensors, bucket_bytes=bucket_bytes, flat=flat)
+
+
+def adapter_buckets(chunks: Sequence[torch.nn.Module], groups: ParallelGroups, *, bucket_bytes: int,
+                    flat: bool = True, device: torch.device | None = None) -> Iterator[Bucket]:
+    """This stage's adapters (``A`` and ``B`` only, PEFT-named) in buckets, each marked with the adapters'
+    scale; on the stage head only, the other ranks of data-parallel replica 0 take part in the gathers."""
+    scale = stage_lora_scale(chunks)
+    tensors = stage_adapter_tensors(chunks, groups)
+    if device is not None:
+        tensors = ((name, tensor.to(device)) for name, tensor in tensors)
+    for bucket in pack_buckets(tensors, bucket_bytes=bucket_bytes, flat=flat):
+        bucket.lora_scale = scale
+        yield bucket
 
 
 def pack_buckets(tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int,

@@ -55,16 +55,19 @@ class WeightCalls:
                                               shapes: list[list[int]], weight_version: str | None = None,
                                               group_name: str = "weight_update_group",
                                               flattened_bucket: bool = False, flush_cache: bool = True,
-                                              timeout_s: float | None = None) -> None:
+                                              timeout_s: float | None = None, lora_scale: float | None = None) -> None:
         """Announce one bucket; the caller broadcasts the tensors while this call is pending.
 
-        Wrap a sequence of buckets in ``begin_weight_update()`` / ``end_weight_update()``.
+        Wrap a sequence of buckets in ``begin_weight_update()`` / ``end_weight_update()``. ``lora_scale``: the
+        bucket holds adapters (the embedded server's own field, ``wire.AdapterMerge``).
         """
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
                                 "group_name": group_name, "flush_cache": flush_cache,
                                 "weight_version": weight_version}
         if flattened_bucket:
             body["load_format"] = "flattened_bucket"
+        if lora_scale is not None:
+            body["lora_scale"] = lora_scale
         await self.client.control("/update_weights_from_distributed", body, timeout_s=timeout_s)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
@@ -81,6 +84,18 @@ class WeightCalls:
         await self.client.control("/update_weights_from_shards", {
             "manifest": manifest, "senders": senders, "group_name": group_name, "weight_version": weight_version,
             "timeout_s": timeout_s}, timeout_s=timeout_s * (len(manifest["rounds"]) + 2))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False,
+                                timeout_s: float | None = None) -> None:
+        """SGLang's ``/load_lora_adapter`` (``LoadLoRAAdapterReqInput``): load the PEFT folder ``lora_path``, on a
+        filesystem the server reads, as adapter ``lora_name``; requests name it in ``lora_path``. SGLang answers
+        ``success: false`` (HTTP 400) for a name already loaded."""
+        await self.client.control("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path,
+                                                         "pinned": pinned}, timeout_s=timeout_s)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """SGLang's ``/unload_lora_adapter`` (``UnloadLoRAAdapterReqInput``)."""
+        await self.client.control("/unload_lora_adapter", {"lora_name": lora_name})
 
 
 class VLLMWeightCalls(WeightCalls):
@@ -113,14 +128,16 @@ class VLLMWeightCalls(WeightCalls):
                                               shapes: list[list[int]], weight_version: str | None = None,
                                               group_name: str = "weight_update_group",
                                               flattened_bucket: bool = False, flush_cache: bool = True,
-                                              timeout_s: float | None = None) -> None:
-        """``/update_weights`` with one bucket; the caller broadcasts it while this call is pending. Then
-        ``/update_weight_version``: the server is paused (the weight push pauses it first), so no token is
-        generated between the label and the weights it names; each pipeline stage's head labels its own
-        buckets, so no call needs to know which bucket is the last."""
-        await self.client.control("/update_weights", {"update_info": {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "flattened": flattened_bucket,
-            "group_name": group_name}}, timeout_s=timeout_s)
+                                              timeout_s: float | None = None, lora_scale: float | None = None) -> None:
+        """``/update_weights`` with one bucket (adapters with ``lora_scale``: our plugin merges them); the caller
+        broadcasts it while this call is pending. Then ``/update_weight_version``: the server is paused (the
+        weight push pauses it first), so no token is generated between the label and the weights it names;
+        each pipeline stage's head labels its own buckets, so no call needs to know which bucket is the last."""
+        info: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "flattened": flattened_bucket,
+                                "group_name": group_name}
+        if lora_scale is not None:
+            info["lora_scale"] = lora_scale
+        await self.client.control("/update_weights", {"update_info": info}, timeout_s=timeout_s)
         if weight_version is not None:
             await self.client.control("/update_weight_version", {"new_version": str(weight_version)})
 

@@ -23,6 +23,7 @@ from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.weights import ADAPTERS, named_global_params, unwrap
+from megatron_areal.weights.wire import adapter_name
 
 
 def is_stage_head(groups: ParallelGroups) -> bool:
@@ -85,7 +86,8 @@ def stage_hf_tensors(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups:
     if not takes_part(groups):
         return
     for chunk in chunks:
-        # a model.lora run pushes merged weights (base + B @ A * scale): the servers serve the trained policy
+        # a model.lora run's merged weights (base + B @ A * scale), for SGLang and the disk path; the embedded server
+        # and vLLM get the adapters alone (stage_adapter_tensors)
         adapters = getattr(unwrap(chunk), ADAPTERS, None)
         for name, param in named_global_params(chunk):
             if mapping.is_expert(name):
@@ -101,3 +103,30 @@ def stage_hf_tensors(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups:
                 if hf_name in updates:
                     t = (t.float() + updates[hf_name]).to(t.dtype)
                 yield hf_name, (t if dtype is None else t.to(dtype))
+
+
+def stage_lora_scale(chunks: Sequence[torch.nn.Module]) -> float | None:
+    """``alpha / rank`` of this stage's adapters; None when it has none (a model without ``model.lora``)."""
+    for chunk in chunks:
+        adapters = getattr(unwrap(chunk), ADAPTERS, None)
+        if adapters is not None:
+            return float(adapters.scale)
+    return None
+
+
+@torch.no_grad()
+def stage_adapter_tensors(chunks: Sequence[torch.nn.Module], groups: ParallelGroups
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's adapters, whole and under PEFT's names (``wire.adapter_name``), on the head: the adapter
+    push. The ranks of data-parallel replica 0 gather the TP-split halves (collective: run it to the end);
+    the other ranks yield nothing."""
+    if groups.dp_rank != 0:
+        return
+    for chunk in chunks:
+        adapters = getattr(unwrap(chunk), ADAPTERS, None)
+        if adapters is None:
+            continue
+        for hf_name, a, b in adapters.whole_pairs(groups.tp_group):
+            if is_stage_head(groups):
+                yield adapter_name(hf_name, "A"), a
+                yield adapter_name(hf_name, "B"), b

@@ -90,6 +90,7 @@ class StageLink:
         meta = bucket.meta()
         futures = {url: self.fleet.submit(url, lambda c: weight_calls(c).update_weights_from_distributed(
             **meta, weight_version=version, group_name=self.group_name, flattened_bucket=bucket.flat,
+            lora_scale=bucket.lora_scale,
             timeout_s=self.timeout_s * (len(bucket.payload) + 1))) for url in self.urls}
         try:
             for tensor in bucket.payload:

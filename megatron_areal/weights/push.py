@@ -66,12 +66,22 @@ class SyncResult:
     peak_buffer_bytes: int = 0  # shard push: the most bucket memory one trainer rank held at once
 
 
+# engines whose receiving side merges pushed adapters into a kept base (``wire.AdapterMerge``): the embedded
+# server and our vLLM weight-transfer plugin; SGLang gets the merged weights
+ADAPTER_ENGINES = ("embedded", "vllm")
+
+
+def pushes_adapters_only(engine: str, method: str, adapters: bool) -> bool:
+    """Whether a sync moves only a ``model.lora`` run's ``A`` and ``B`` (the servers merge them)."""
+    return adapters and method == "distributed" and engine in ADAPTER_ENGINES
+
+
 def transfer_of(transfer: str, engine: str, adapters: bool = False) -> str:
     """``weights.transfer`` resolved for ``server.engine``: SGLang takes whole tensors from one source per group.
-    A ``model.lora`` run (``adapters``) pushes merged weights, which only the stage heads' gather builds."""
+    A ``model.lora`` run (``adapters``) pushes its adapters (or, to SGLang, merged weights) from the stage heads."""
     if adapters and transfer == "shards":
-        raise ValueError("weights.transfer=shards: a model.lora run pushes merged weights, which only the stage "
-                         "heads build; use stage_heads (or auto)")
+        raise ValueError("weights.transfer=shards: a model.lora run pushes its adapters (or merged weights) "
+                         "from the stage heads; use stage_heads (or auto)")
     if transfer == "auto":
         return "stage_heads" if engine == "sglang" or adapters else "shards"
     if transfer == "shards" and engine == "sglang":
@@ -136,11 +146,12 @@ class WeightSync:
         self.fleet = fleet if fleet is not None else (
             Fleet(api_key=api_key, control_timeout_s=self.config.timeout_s, engine=engine)
             if (self.is_head or self.rank0) else None)
+        adapters = any(getattr(unwrap(c), ADAPTERS, None) is not None for c in self.chunks)
+        self.adapters_only = pushes_adapters_only(engine, self.config.method, adapters)
         self._stages = StagePush(self.chunks, arch, groups, config=self.config, fleet=self.fleet,
                                  master_address=self.master_address, backend=self.backend, dtype=dtype,
-                                 merge=self._merge)
-        self.transfer = transfer_of(self.config.transfer, engine,
-                                    adapters=any(getattr(unwrap(c), ADAPTERS, None) is not None for c in self.chunks))
+                                 merge=self._merge, adapters_only=self.adapters_only)
+        self.transfer = transfer_of(self.config.transfer, engine, adapters=adapters)
         self._shards = ShardPush(
             self.chunks, arch, groups, fleet=self.fleet if self.rank0 else None, control_group=control_group,
             master_address=self.master_address, backend=self.backend, timeout_s=self.config.timeout_s,

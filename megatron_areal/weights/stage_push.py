@@ -17,7 +17,7 @@ import torch
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.fleet.fleet import Fleet
 from megatron_areal.model.arch import ModelArch
-from megatron_areal.weights.buckets import hf_buckets
+from megatron_areal.weights.buckets import adapter_buckets, hf_buckets
 from megatron_areal.weights.config import WeightsConfig
 from megatron_areal.weights.gather import is_stage_head, takes_part
 from megatron_areal.weights.link import Pending, StageLink
@@ -29,7 +29,8 @@ class StagePush:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], arch: ModelArch, groups: ParallelGroups, *,
                  config: WeightsConfig, fleet: Fleet | None, master_address: str, backend: str,
-                 dtype: torch.dtype | None, merge: Callable[[Outcome], Outcome]) -> None:
+                 dtype: torch.dtype | None, merge: Callable[[Outcome], Outcome], adapters_only: bool = False) -> None:
+        self.adapters_only = adapters_only  # a model.lora run whose servers merge adapters themselves
         self.chunks, self.arch, self.groups, self.config = list(chunks), arch, groups, config
         self.fleet, self.master_address, self.backend, self.dtype = fleet, master_address, backend, dtype
         self.merge = merge  # every rank's outcome, combined on all ranks
@@ -71,8 +72,12 @@ class StagePush:
         awaited before k+1 is announced, so each group sees one request at a time.
         """
         pending = None
-        buckets = hf_buckets(self.chunks, self.arch, self.groups, bucket_bytes=self.config.bucket_bytes,
-                             flat=self.config.flattened_bucket, dtype=self.dtype, device=self.groups.device)
+        if self.adapters_only:
+            buckets = adapter_buckets(self.chunks, self.groups, bucket_bytes=self.config.bucket_bytes,
+                                      flat=self.config.flattened_bucket, device=self.groups.device)
+        else:
+            buckets = hf_buckets(self.chunks, self.arch, self.groups, bucket_bytes=self.config.bucket_bytes,
+                                 flat=self.config.flattened_bucket, dtype=self.dtype, device=self.groups.device)
         clock = time.perf_counter()
         for bucket in buckets:
             local.gather_seconds += time.perf_counter() - clock

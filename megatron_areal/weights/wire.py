@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 
 import torch
@@ -309,3 +310,99 @@ def _numel(shape: list[int]) -> int:
     for size in shape:
         n *= size
     return n
+
+
+# ---- low-rank adapters: only A and B travel, the receiver merges them into a kept copy of the base --------
+#
+# A ``model.lora`` run pushes each adapted projection's ``A [rank, in]`` and ``B [out, rank]`` under PEFT's
+# saved names (what ``convert mcore-to-hf --adapter-only`` writes): ``base_model.model.<HF weight name without
+# .weight>.lora_A.weight``. The bucket's request carries ``lora_scale`` (``alpha / rank``). The receiver keeps
+# the weight it held before the first adapter arrived (the base the trainer's adapters sit on, frozen there)
+# and installs ``W = W_base + lora_scale * B @ A``, computed in fp32 and cast to the weight's dtype, as the
+# trainer's merged export computes it.
+PEFT_PREFIX = "base_model.model."
+_LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
+
+
+def adapter_target(name: str) -> tuple[str, str] | None:
+    """(HF weight name, "A" or "B") of a PEFT adapter tensor name; None for any other name."""
+    if not name.startswith(PEFT_PREFIX):
+        return None
+    for suffix, matrix in _LORA_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[len(PEFT_PREFIX):-len(suffix)] + ".weight", matrix
+    return None
+
+
+def adapter_name(hf_weight: str, matrix: str) -> str:
+    """PEFT's saved name of adapter ``matrix`` ("A" or "B") of the HF weight ``hf_weight``."""
+    return f"{PEFT_PREFIX}{hf_weight.removesuffix('.weight')}.lora_{matrix}.weight"
+
+
+class AdapterMerge:
+    """The receiving side's adapters: the kept base of every adapted weight and its latest ``A`` and ``B``.
+
+    ``base_of(hf_name)`` returns the weight as served before any adapter (read once per weight). A whole weight
+    pushed later replaces the weight outright: ``forget`` drops its kept base and adapter.
+    """
+
+    def __init__(self, base_of: Callable[[str], torch.Tensor]) -> None:
+        self._base_of = base_of
+        self.base: dict[str, torch.Tensor] = {}
+        self.pairs: dict[str, dict[str, torch.Tensor]] = {}
+        self.scale: float | None = None
+
+    def merged(self, tensors: dict[str, torch.Tensor], scale: float | None,
+               shape_of: Callable[[str], Sequence[int] | None]) -> dict[str, torch.Tensor]:
+        """``tensors`` with every adapter tensor replaced by the merged weight it changes (other names pass
+        through). ``shape_of(hf_name)`` is the served weight's shape (None: no such weight). ``ValueError``
+        names a bad adapter (unknown target, shapes that do not fit, no ``lora_scale``) before anything is
+        kept."""
+        plain = {n: t for n, t in tensors.items() if adapter_target(n) is None}
+        updates: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            hit = adapter_target(name)
+            if hit is not None:
+                updates.setdefault(hit[0], {})[hit[1]] = t
+        if not updates:
+            return plain
+        if scale is None or not math.isfinite(scale):
+            raise ValueError(f"adapter tensors ({next(iter(updates))}) need a finite lora_scale, got {scale!r}")
+        for target, pair in updates.items():
+            self._check(target, {**self.pairs.get(target, {}), **pair}, shape_of(target))
+        self.scale = scale
+        for target, pair in updates.items():
+            self.pairs.setdefault(target, {}).update({m: t.detach().float().clone() for m, t in pair.items()})
+            if target not in self.base:
+                self.base[target] = self._base_of(target).detach().clone()
+            value = self.value(target)
+            if value is not None:  # None: the other half comes in the next bucket
+                plain[target] = value
+        return plain
+
+    def value(self, target: str) -> torch.Tensor | None:
+        """The merged weight of ``target`` from its kept base and adapters; None until both halves came."""
+        kept, base = self.pairs.get(target, {}), self.base.get(target)
+        if base is None or "A" not in kept or "B" not in kept or self.scale is None:
+            return None
+        update = kept["B"].to(base.device) @ kept["A"].to(base.device)
+        return (base.float() + self.scale * update).to(base.dtype)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Whole weights arrived for ``names``: their kept base and adapters no longer describe them."""
+        for name in names:
+            self.base.pop(name, None)
+            self.pairs.pop(name, None)
+
+    @staticmethod
+    def _check(target: str, pair: dict[str, torch.Tensor], shape: Sequence[int] | None) -> None:
+        if shape is None:
+            raise ValueError(f"adapter for {target}: the model has no such weight")
+        if not all(t.dim() == 2 and t.is_floating_point() for t in pair.values()):
+            raise ValueError(f"adapter for {target}: A and B must be 2-d floating-point matrices")
+        a, b = pair.get("A"), pair.get("B")
+        out_f, in_f = shape
+        if a is not None and a.shape[1] != in_f or b is not None and b.shape[0] != out_f or \
+                a is not None and b is not None and a.shape[0] != b.shape[1]:
+            raise ValueError(f"adapter for {target}: A {list(a.shape) if a is not None else None} and B "
+                             f"{list(b.shape) if b is not None else None} do not fit the weight's {list(shape)}")
