@@ -198,6 +198,31 @@ def _require_grad(module: torch.nn.Module, args: Any, output: torch.Tensor) -> t
     return output.requires_grad_(True)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on its gradient with row-major strides.
+
+    A frozen Megatron linear layer's backward is ``grad_output.matmul(weight)`` (``LinearWithFrozenWeight``).
+    The output layer's gradient arrives as a transposed view (``[s, 1, vocab]``, the sequence stride
+    outermost), which ``torch.matmul`` cannot fold into one matrix product: it broadcasts the weight over the
+    sequence and materialises ``[s, vocab, hidden]`` (25 GB at SmolLM2's shapes, 448 tokens). A trained
+    weight's backward reshapes to 2-D itself, so only a LoRA run (frozen base) meets it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        # is_contiguous() ignores the stride of a size-1 dim, and so does contiguous(); the 2-D view resets it
+        return grad.contiguous().view(-1, grad.shape[-1]).view(grad.shape)
+
+
+def _contiguous_grad_output(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, Any]
+                            ) -> tuple[torch.Tensor, Any]:
+    out, bias = output
+    return _ContiguousGrad.apply(out), bias
+
+
 def attach_lora(chunks: Sequence[torch.nn.Module], arch: ModelArch, cfg: LoraConfig, *, tp: int, tp_rank: int,
                 seed: int, sequence_parallel: bool = False, recompute: bool = False) -> None:
     """Freeze the chunks' weights and put adapters beside their targeted projections (before DDP wraps them).
@@ -218,6 +243,10 @@ def attach_lora(chunks: Sequence[torch.nn.Module], arch: ModelArch, cfg: LoraCon
         ref = next(chunk.parameters())
         setattr(chunk, ADAPTERS, LoraAdapters(arch, cfg, layers, tp=tp, tp_rank=tp_rank, seed=seed, dtype=ref.dtype,
                                           device=ref.device))
+        # after the adapters' hooks, so a frozen layer's backward gets the gradient of base + update contiguous
+        for module in chunk.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                module.register_forward_hook(_contiguous_grad_output)
         trainable = sum(p.numel() for p in chunk.parameters() if p.requires_grad)
         log.info("model.lora: rank %d on %s; %d trainable parameters on this rank", cfg.rank,
                  ",".join(cfg.targets), trainable)
