@@ -85,3 +85,23 @@ def test_wire_names_are_the_peft_export_names() -> None:
             assert name == peft_name(layer, module, matrix)
             assert adapter_target(name) == (hf_weight_name(layer, module), matrix)
     assert adapter_target("model.layers.0.self_attn.q_proj.weight") is None
+
+
+def test_a_bf16_merge_keeps_an_update_below_bf16_spacing() -> None:
+    """Served in bf16, ``base + scale * B @ A`` must carry the adapters' update on average: an RL step's update is
+    mostly far below bf16's spacing, and rounded to nearest it vanished (the served weights kept about 0.29 of
+    a trained rank-8 update on SmolLM2). The reference is the exact fp32 merge."""
+    torch.manual_seed(0)
+    base = (torch.randn(256, 512) * 0.05).to(torch.bfloat16)
+    a, b = torch.randn(4, 512) * 5e-3, torch.randn(256, 4) * 5e-3
+    scale = 0.5
+    exact = base.float() + scale * (b @ a)  # updates near 2.5e-5; bf16 spacing at 0.05 is 2.4e-4
+    names = {"A": adapter_name("q_proj.weight", "A"), "B": adapter_name("q_proj.weight", "B")}
+    merge = AdapterMerge(lambda name: base)
+    served = merge.merged({names["A"]: a, names["B"]: b}, scale, lambda n: base.shape)["q_proj.weight"]
+    assert served.dtype == torch.bfloat16
+    trained, kept = exact - base.float(), served.float() - base.float()
+    along = float((kept * trained).sum() / (trained * trained).sum())  # 1.0: the whole update, on average
+    assert along == pytest.approx(1.0, abs=0.05), along
+    nearest = exact.to(torch.bfloat16).float() - base.float()
+    assert float((nearest * trained).sum() / (trained * trained).sum()) < 0.5  # what rounding to nearest keeps

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_areal.patches.bf16_rounding import stochastic_round_
+from megatron_areal.util.rounding import stochastic_round_
 
 
 def neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,11 @@ from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.model import mapping
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.weights import ADAPTERS, named_global_params, unwrap
-from megatron_areal.weights.wire import adapter_name
+from megatron_areal.weights.wire import adapter_name, merge_update
+
+# the merged pushes' bf16 rounding draws (util/rounding.py), one stream over the run's pushes: a fresh seed per
+# push would round each weight against the same thresholds every time
+_MERGE_ROUNDING = torch.Generator().manual_seed(0)
 
 
 def is_stage_head(groups: ParallelGroups) -> bool:
@@ -101,7 +105,7 @@ def stage_hf_tensors(chunks: Sequence[torch.nn.Module], arch: ModelArch, groups:
                 else {}
             for hf_name, t in mapping.to_hf(arch, pairs):
                 if hf_name in updates:
-                    t = (t.float() + updates[hf_name]).to(t.dtype)
+                    t = merge_update(t, updates[hf_name], _MERGE_ROUNDING)
                 yield hf_name, (t if dtype is None else t.to(dtype))
 
 
