@@ -501,7 +501,7 @@ class Engine:
             try:
                 count = receive_slices(group.pg, rounds, timeout_s=timeout_s, device=group.device,
                                        on_round=lambda tensors: self._install(tensors, None, complete=False,
-                                                                              announce=False))
+                                                                              announce=False, adopt=True))
             except WireError as e:
                 raise WeightError(str(e)) from None
         if version is not None:
@@ -511,9 +511,9 @@ class Engine:
         return count
 
     def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool,
-                 announce: bool = True) -> None:
+                 announce: bool = True, adopt: bool = False) -> None:
         with self._lock, one_thread():
-            load_weights(self.model, tensors, complete=complete)
+            load_weights(self.model, tensors, complete=complete, adopt=adopt)
             if version is not None:
                 self.weight_version = str(version)
             # The KV of running requests was computed with the old weights: drop it; they are
