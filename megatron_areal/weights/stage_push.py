@@ -1,11 +1,11 @@
 """The stage heads' path (what SGLang takes: whole tensors from one source per group).
 
 Each pipeline stage's head gathers its stage's parameters over TP and the expert ranks
-(``gather``), converts and packs them (``buckets``) and broadcasts each bucket over its stage's group
-with the servers (``link``). Stages stream one after another: a server takes one weight operation at a
-time, in arrival order, and a broadcast needs every receiver, so two stages' groups forming or
-streaming to the same servers at once can deadlock (server A inside stage 0's broadcast waits for B,
-which is inside stage 1's and waits for A). Collective over the trainer's control group.
+(``gather``), converts and packs them (``buckets``) and broadcasts each bucket over its own group with
+each server (``link``). All stages stream at once: a group holds one head and one server, so a server
+working through the stages' requests in arrival order never waits for another server (``link`` says why
+that cannot deadlock), and a push costs the largest stage's time, not the sum. Collective over the
+trainer's control group.
 """
 from __future__ import annotations
 
@@ -38,20 +38,15 @@ class StagePush:
         self.generation = 0
 
     def push(self, version: str, servers: dict[str, int], temporary: bool) -> Outcome:
-        """Collective: every stage in turn streams to ``servers``; a temporary push (a server joining) forms its
+        """Collective: every stage streams to ``servers`` at once; a temporary push (a server joining) forms its
         own groups and drops them after."""
         local = Outcome()
         link = None
-        for stage in range(self.groups.pp):
-            if stage == self.groups.pp_rank and servers:
-                if self.is_head:
-                    link, local.errors = self._link_for(servers, temporary)
-                if takes_part(self.groups):
-                    self._stream(link, version, local)
-            if self.groups.pp > 1 and stage < self.groups.pp - 1:
-                # later stages leave out the servers that already failed (they would wait for them)
-                failed = self.merge(Outcome(errors=dict(local.errors))).errors
-                servers = {u: tp for u, tp in servers.items() if u not in failed}
+        if servers:
+            if self.is_head:
+                link, local.errors = self._link_for(servers, temporary)
+            if takes_part(self.groups):
+                self._stream(link, version, local)
         outcome = self.merge(local)
         if link is not None and (temporary or outcome.errors):
             link.destroy([u for u in servers if u not in outcome.errors])
