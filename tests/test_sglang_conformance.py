@@ -236,9 +236,10 @@ def _w_push_pp2(model_dir: str, urls: list[str], version: str) -> list[str]:
 @pytest.mark.parametrize("receivers", [3], indirect=True)
 def test_pipeline_stages_reach_three_sglang_servers_one_at_a_time(receivers: list[ReceiverProcess],
                                                                    tmp_path: Path) -> None:
-    """PP2 trainer, three servers that each take one weight operation at a time: every server gets
-    every tensor bitwise, and sees stage 0's group entirely before stage 1's (two groups streaming
-    to the same servers at once is what deadlocks NCCL)."""
+    """PP2 trainer, three servers that each take one weight operation at a time, in arrival order: both
+    stages stream at once, each head over its own group with each server, and every server gets every
+    tensor bitwise from both stages' groups (one group per stage with all servers in it is what deadlocks
+    here: a server inside one stage's broadcast waits for another that is inside the other stage's)."""
     from megatron_areal.convert.spawn import WorkerPool
     from megatron_areal.model.assets import make_tiny_model
     from megatron_areal.server.weights import read_safetensors
@@ -258,8 +259,7 @@ def test_pipeline_stages_reach_three_sglang_servers_one_at_a_time(receivers: lis
         assert set(want) - set(got) <= {"lm_head.weight"}
         assert got == {n: want[n] for n in got}
         orders.append([int(name.split("-")[1].removeprefix("stage")) for name in r.get("/received")["updates"]])
-    assert all(order == orders[0] for order in orders), orders
-    assert orders[0] == sorted(orders[0]) and set(orders[0]) == {0, 1}, orders[0]
+    assert all(set(order) == {0, 1} for order in orders), orders
 
 
 # ---- liveness while paused ---------------------------------------------------------------------
