@@ -135,7 +135,7 @@ def _messages(items: tuple[Item, ...], source: SliceSource, free: list[torch.Ten
     values = [(s, source.values(name, s)) for name, s in items]
     direct = [t.dtype == dtype and t.is_contiguous() and (device is None or t.device == device) for _, t in values]
     packed = sum(slice_bytes(s, dtype) for (s, _), ok in zip(values, direct, strict=True) if not ok)
-    buffer, grown, copies = None, 0, 0
+    buffer, grown = None, 0
     if packed:
         capacity = max(packed, bucket_bytes)
         reuse = next((i for i, b in enumerate(free) if b.numel() == capacity), None)
@@ -145,10 +145,11 @@ def _messages(items: tuple[Item, ...], source: SliceSource, free: list[torch.Ten
             grown = capacity
         else:
             buffer = free.pop(reuse)  # by position: ``list.remove`` would compare tensors elementwise
-    messages, offset = [], 0
+    messages, offset, copied = [], 0, {}
     for (s, t), ok in zip(values, direct, strict=True):
         if ok:
-            copies += 0 if source.owns(t) else t.numel() * t.element_size()
+            if not source.owns(t):  # the whole copy lives while a slice of it is on the wire
+                copied[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             messages.append(t.reshape(-1).view(torch.uint8))
             continue
         assert buffer is not None
@@ -157,7 +158,7 @@ def _messages(items: tuple[Item, ...], source: SliceSource, free: list[torch.Ten
         buffer[offset:offset + n].view(dtype).view(shape).copy_(t)
         messages.append(buffer[offset:offset + n])
         offset += n
-    return messages, buffer, grown, copies
+    return messages, buffer, grown, sum(copied.values())
 
 
 def _retire(sent: _Round, free: list[torch.Tensor], stats: SendStats, receiver_name: dict[tuple[int, int], str],
