@@ -1,19 +1,17 @@
-"""One pipeline stage's weight-update groups: the stage head (rank 0) with each server's ranks, one group per
-server.
-
-In each group the server joins with ``rank_offset = 1`` (its TP ranks are 1..tp). A group is formed
-while its ``/init_weights_update_group`` call is in flight (the server's ranks and the head rendezvous at
-the head's store), and each bucket is broadcast while its ``/update_weights_from_distributed`` request is
+"""One pipeline stage's weight-update groups with the servers: the stage head is rank 0 of each; a server
+joins with ``rank_offset = 1 + the TP sizes of the servers before it in the group``. A group is formed while
+its ``/init_weights_update_group`` calls are in flight (the servers' ranks and the head rendezvous at the
+head's store), and each bucket is broadcast while its ``/update_weights_from_distributed`` requests are
 pending, as the protocol requires.
 
-Why a group per server and not one per stage with every server in it: a server takes one weight
-operation at a time, in arrival order, and a broadcast needs every member. With one group per stage, two
-stages streaming at once can deadlock (server A inside stage 0's broadcast waits for B, which is inside
-stage 1's and waits for A). With a group per (stage, server) a broadcast waits for one server only, and
-the head announces a bucket to a server just before it broadcasts to it; so whatever a server is
-working on, that operation's head is at it or on its way to it, and every stage's head streams at once.
-The price: the head sends a bucket once per server, where one broadcast tree (NCCL's ring) could send it
-once in all.
+A server takes one weight operation at a time, in arrival order, and a broadcast needs every member. With
+one group per stage holding every server, two stages streaming at once can deadlock (server A inside stage
+0's broadcast waits for B, which is inside stage 1's and waits for A), so such stages go in turn. With a
+group per (stage, server) (``per_server``) a broadcast waits for one server only, and the head announces a
+bucket to a server just before it broadcasts to it; so whatever a server is working on, that operation's
+head is at it or on its way to it, and every stage's head can stream at once. The price: the head sends a
+bucket once per server, where one broadcast (NCCL pipelines it through the members) sends it once in all
+(``stage_push.StagePush.at_once`` picks).
 """
 from __future__ import annotations
 
@@ -41,49 +39,54 @@ class Pending:
     broadcast_errors: dict[str, str]  # url -> what failed while broadcasting to it
 
 
-class ServerLink:
-    """The head side of one stage's group with one server (the head is rank 0, the server ranks 1..tp)."""
+class GroupLink:
+    """The head side of one group: the head is rank 0, server ``i``'s ranks follow the servers before it
+    (``rank_offset = 1 + sum of their TP sizes``)."""
 
-    def __init__(self, fleet: Fleet, url: str, tp: int, *, stage: int, group_name: str, master_address: str,
+    def __init__(self, fleet: Fleet, servers: dict[str, int], *, stage: int, group_name: str, master_address: str,
                  backend: str, timeout_s: float, device: torch.device | None = None) -> None:
-        self.fleet, self.url, self.tp, self.stage, self.timeout_s = fleet, url, tp, stage, timeout_s
-        self.group_name, self.world_size = group_name, 1 + tp
+        self.fleet, self.stage, self.timeout_s = fleet, stage, timeout_s
+        self.offsets, offset = {}, 1
+        for url, tp in servers.items():
+            self.offsets[url] = offset
+            offset += tp
+        self.group_name, self.world_size = group_name, offset
         self.master_address, self.backend, self.device = master_address, backend, device
         self.group: WeightUpdateGroup | None = None
 
-    def form(self) -> str | None:
-        """Rendezvous with the server; what failed, or None."""
+    def form(self) -> dict[str, str]:
+        """Rendezvous with the servers; {url: error} of those that failed to join."""
         port = free_port(self.master_address)  # a fresh port per group: no stale keys
-        future = self.fleet.submit(self.url, lambda c: weight_calls(c).init_weights_update_group(
-            master_address=self.master_address, master_port=port, rank_offset=1, world_size=self.world_size,
-            group_name=self.group_name, backend=self.backend))
+        futures = {url: self.fleet.submit(url, lambda c, o=o: weight_calls(c).init_weights_update_group(
+            master_address=self.master_address, master_port=port, rank_offset=o, world_size=self.world_size,
+            group_name=self.group_name, backend=self.backend)) for url, o in self.offsets.items()}
         try:
             self.group = WeightUpdateGroup(master_address=self.master_address, master_port=port, rank=0,
                                            world_size=self.world_size, group_name=self.group_name,
                                            backend=self.backend, timeout_s=self.timeout_s,
                                            device=self.device if self.backend == "nccl" else None)
-        except RuntimeError as e:  # the server never arrived; its HTTP reply may say why
-            errors = wait_all({self.url: future}, self.timeout_s)
-            return errors.get(self.url) or f"{self.url}: joining {self.group_name}: {e}"
-        return wait_all({self.url: future}, self.timeout_s).get(self.url)
+        except RuntimeError as e:  # some rank never arrived; the HTTP replies say which
+            errors = wait_all(futures, self.timeout_s)
+            return errors or {url: f"{url}: joining {self.group_name}: {e}" for url in self.offsets}
+        return wait_all(futures, self.timeout_s)
 
-    def post(self, bucket: Bucket, version: str | None) -> tuple[cf.Future, str | None]:
-        """Announce the bucket to the server and broadcast it: (the reply to come, what failed broadcasting)."""
+    def post(self, bucket: Bucket, version: str | None) -> tuple[dict[str, cf.Future], str | None]:
+        """Announce the bucket to the servers and broadcast it: (the replies to come, what failed broadcasting)."""
         assert self.group is not None, "post() before form()"
         meta = bucket.meta()
-        future = self.fleet.submit(self.url, lambda c: weight_calls(c).update_weights_from_distributed(
+        futures = {url: self.fleet.submit(url, lambda c: weight_calls(c).update_weights_from_distributed(
             **meta, weight_version=version, group_name=self.group_name, flattened_bucket=bucket.flat,
-            timeout_s=self.timeout_s * (len(bucket.payload) + 1)))
+            timeout_s=self.timeout_s * (len(bucket.payload) + 1))) for url in self.offsets}
         try:
             for tensor in bucket.payload:
                 self.group.broadcast(tensor, src=0)
         except RuntimeError as e:
-            # The server died or hung. Closing our end wakes its ranks still waiting on us, so its
-            # reply (or its connection error, or silence) arrives within the timeout.
+            # A server died or hung. Closing our end wakes the ranks still waiting on us, so their
+            # replies (or a connection error, or silence) arrive within the timeout.
             log.error("stage %d: broadcast in %s failed: %s", self.stage, self.group_name, e)
             self.close_group()
-            return future, f"broadcast in {self.group_name} failed: {e}"
-        return future, None
+            return futures, f"broadcast in {self.group_name} failed: {e}"
+        return futures, None
 
     def close_group(self) -> None:
         if self.group is not None:
@@ -92,44 +95,48 @@ class ServerLink:
 
 
 class StageLink:
-    """The head side of one stage's groups with a fixed set of servers, one group each (``ServerLink``)."""
+    """The head side of one stage's groups with a fixed set of servers: one group with each server
+    (``per_server``; the stages can stream at once) or one group with them all (the stages stream in turn)."""
 
     def __init__(self, fleet: Fleet, servers: dict[str, int], *, stage: int, generation: int,
-                 master_address: str, backend: str, timeout_s: float, device: torch.device | None = None) -> None:
+                 master_address: str, backend: str, timeout_s: float, device: torch.device | None = None,
+                 per_server: bool = False) -> None:
         self.fleet, self.stage, self.timeout_s = fleet, stage, timeout_s
-        # names unique per stage, server and generation: a server holds every stage's group at once
-        self.links = [ServerLink(fleet, url, tp, stage=stage, group_name=f"weights-stage{stage}-s{i}-gen{generation}",
-                                 master_address=master_address, backend=backend, timeout_s=timeout_s, device=device)
-                      for i, (url, tp) in enumerate(servers.items())]
+        self.servers, self.per_server = list(servers), per_server
+        parts = [{url: tp} for url, tp in servers.items()] if per_server else [dict(servers)]
+        # names unique per stage, group and generation: a server holds every stage's group at once
+        self.links = [GroupLink(fleet, part, stage=stage, group_name=f"weights-stage{stage}-g{i}-gen{generation}",
+                                master_address=master_address, backend=backend, timeout_s=timeout_s, device=device)
+                      for i, part in enumerate(parts)]
 
     @property
     def urls(self) -> list[str]:
         """The members' URLs."""
-        return [link.url for link in self.links]
+        return list(self.servers)
 
     def form(self) -> dict[str, str]:
-        """Rendezvous with every server, one after another; returns {url: error} of servers that failed to join."""
-        errors = {}
+        """Rendezvous with every server, one group after another; returns {url: error} of servers that failed
+        to join."""
+        errors: dict[str, str] = {}
         for link in self.links:
-            error = link.form()
-            if error is not None:
-                errors[link.url] = error
+            errors.update(link.form())
         if not errors:
             log.info("stage %d: weight update groups formed with %d servers", self.stage, len(self.links))
         return errors
 
     def post(self, bucket: Bucket, version: str | None) -> Pending:
-        """Announce the bucket to each server and broadcast it to it, one server after another; the replies
-        are awaited by ``finish``.
+        """Announce the bucket and broadcast it in each group, one group after another; the replies are
+        awaited by ``finish``.
 
         When this returns the bucket's memory is free to reuse (the broadcasts have completed on the
         sending side), so the next bucket can be gathered while the servers install this one.
         """
         futures, failed = {}, {}
         for link in self.links:
-            futures[link.url], error = link.post(bucket, version)
+            replies, error = link.post(bucket, version)
+            futures.update(replies)
             if error is not None:
-                failed[link.url] = error
+                failed.update({url: error for url in replies})
         return Pending(futures, failed)
 
     def synchronize(self) -> None:
@@ -157,7 +164,7 @@ class StageLink:
     def destroy(self, live: list[str]) -> None:
         """Tear down our ends and ask the servers still alive to drop theirs (best effort)."""
         self.close_group()
-        names = {link.url: link.group_name for link in self.links if link.url in live}
+        names = {url: link.group_name for link in self.links for url in link.offsets if url in live}
         start = time.monotonic()
         futures = {url: self.fleet.submit(url, lambda c, name=name: weight_calls(c).destroy_weights_update_group(name))
                    for url, name in names.items()}
