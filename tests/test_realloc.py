@@ -122,6 +122,41 @@ def _w_sync(version: str, pid: int | None = None, signum: int = signal.SIGKILL,
             "max_bucket": r.max_bucket_bytes, "wire": r.wire_bytes, "peak": r.peak_buffer_bytes}
 
 
+def _w_sync_stages_meeting(version: str, flag_dir: str, wait_s: float = 30.0) -> dict[str, Any]:
+    """One stage-heads sync in which stage 0's head, right after posting its first bucket, waits (at most
+    ``wait_s``) for stage 1's head to have posted one too, while stage 1's head marks its first post in
+    ``flag_dir``: whether stage 0's head saw it says whether the stages stream at the same time."""
+    import time
+
+    from megatron_areal.weights import link
+
+    sync = _STATE["sync"]
+    stage, original, seen = sync.groups.pp_rank, link.StageLink.post, {}
+    flag = Path(flag_dir) / "stage1-posted"
+
+    def post(self, bucket, version):
+        pending = original(self, bucket, version)
+        if not seen:
+            seen["posted"] = True
+            if stage == 1:
+                flag.touch()
+            else:
+                deadline = time.monotonic() + wait_s
+                while not flag.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                seen["met"] = flag.exists()
+        return pending
+
+    if sync.is_head:
+        link.StageLink.post = post
+    try:
+        r = sync.sync(version)
+    finally:
+        link.StageLink.post = original
+    return {"stage": stage, "head": sync.is_head, "met": seen.get("met"), "servers": r.servers,
+            "dropped": r.dropped}
+
+
 def _w_add(url: str) -> list[str]:
     _STATE["sync"].add_server(url)
     return list(_STATE["sync"].servers)
@@ -277,6 +312,21 @@ def test_stage_head_path_matches_conversion(world: dict[str, Any]) -> None:
     r = world["pool"].run(_w_sync, "1")[0]
     assert r["servers"] == urls and not r["dropped"] and r["wire"] == []  # no shard push
     ref = _reference(world, "heads")
+    for url in urls:
+        _assert_serves(url, ref, "1")
+
+
+def test_stage_heads_stream_at_the_same_time(world: dict[str, Any]) -> None:
+    """SGLang's path with PP2: stage 1's head streams while stage 0's head is still mid-push (each stage's head
+    has its own group with each server), and both servers end up with the conversion's weights."""
+    urls = [s.url for s in world["servers"]]
+    world["pool"].run(_w_setup, str(world["model"]), urls, 0.05, str(world["root"] / "disk-heads"), TP, PP, True,
+                      "stage_heads")
+    results = world["pool"].run(_w_sync_stages_meeting, "1", str(world["root"]))
+    stage0_head = next(r for r in results if r["head"] and r["stage"] == 0)
+    assert stage0_head["met"], "stage 1's head posted nothing while stage 0's head was mid-push: stages in turn"
+    assert results[0]["servers"] == urls and not results[0]["dropped"]
+    ref = _reference(world, "heads-at-once")
     for url in urls:
         _assert_serves(url, ref, "1")
 

@@ -511,7 +511,7 @@ class Engine:
             try:
                 count = receive_slices(group.pg, rounds, timeout_s=timeout_s, device=group.device,
                                        on_round=lambda tensors: self._install(tensors, None, complete=False,
-                                                                              announce=False))
+                                                                              announce=False, adopt=True))
             except WireError as e:
                 raise WeightError(str(e)) from None
         if version is not None:
@@ -521,7 +521,7 @@ class Engine:
         return count
 
     def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool,
-                 announce: bool = True, lora_scale: float | None = None) -> None:
+                 announce: bool = True, lora_scale: float | None = None, adopt: bool = False) -> None:
         with self._lock, one_thread():
             params = self.model.state_dict()
             # whole weights replace whatever base an adapter was merged into
@@ -530,7 +530,7 @@ class Engine:
                 tensors = self.adapters.merged(tensors, lora_scale, lambda n: params[n].shape if n in params else None)
             except ValueError as e:
                 raise WeightError(str(e)) from None
-            load_weights(self.model, tensors, complete=complete)
+            load_weights(self.model, tensors, complete=complete, adopt=adopt)
             if version is not None:
                 self.weight_version = str(version)
             # The KV of running requests was computed with the old weights: drop it; they are

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_areal.actor.parallel import ParallelGroups
+from megatron_areal.fleet.client import RolloutClient
 from megatron_areal.fleet.fleet import Fleet, normalize_url
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.weights import ADAPTERS, unwrap
@@ -254,17 +255,26 @@ class WeightSync:
         if self.rank0:
             assert self.fleet is not None
             mode = self.config.pause_mode
-            errors = self.fleet.each(urls, lambda c: c.pause(mode))
-            alive = [u for u in urls if u not in errors]
-            errors.update(self.fleet.each(alive, lambda c: weight_calls(c).begin_weight_update()))
+
+            async def pause_and_begin(c: RolloutClient) -> None:  # one fan-out: each server in its own time
+                await c.pause(mode)
+                await weight_calls(c).begin_weight_update()
+
+            errors = self.fleet.each(urls, pause_and_begin)
         return self._drop_dead(errors)
 
     def _resume(self, urls: list[str]) -> None:
         if self.rank0 and urls:
             assert self.fleet is not None
-            failed = self.fleet.each(urls, lambda c: weight_calls(c).end_weight_update())
-            failed.update(self.fleet.each(urls, lambda c: c.resume()))
-            for message in failed.values():  # a server lost here is found by the next sync's pause
+
+            async def end_and_resume(c: RolloutClient) -> None:
+                try:
+                    await weight_calls(c).end_weight_update()
+                finally:  # generation continues even where the session could not be closed
+                    await c.resume()
+
+            for message in self.fleet.each(urls, end_and_resume).values():
+                # a server lost here is found by the next sync's pause
                 log.error("continuing generation failed: %s", message)
 
     def _push_until_done(self, version: str, dropped: dict[str, str]) -> Outcome:

@@ -1,11 +1,13 @@
 """The stage heads' path (what SGLang takes: whole tensors from one source per group).
 
 Each pipeline stage's head gathers its stage's parameters over TP and the expert ranks
-(``gather``), converts and packs them (``buckets``) and broadcasts each bucket over its stage's group
-with the servers (``link``). Stages stream one after another: a server takes one weight operation at a
-time, in arrival order, and a broadcast needs every receiver, so two stages' groups forming or
-streaming to the same servers at once can deadlock (server A inside stage 0's broadcast waits for B,
-which is inside stage 1's and waits for A). Collective over the trainer's control group.
+(``gather``), converts and packs them (``buckets``) and broadcasts each bucket to the servers (``link``).
+With no more servers than stages every stage streams at once, each head over its own group with each
+server, so a server working through the stages' requests in arrival order never waits for another
+server (``link`` says why that cannot deadlock) and a push costs the largest stage's time, not the sum.
+With more servers, a head sending its stage once per server would send more than any server receives,
+so each stage has one group with all the servers and the stages stream in turn. Collective over the
+trainer's control group.
 """
 from __future__ import annotations
 
@@ -39,17 +41,18 @@ class StagePush:
         self.generation = 0
 
     def push(self, version: str, servers: dict[str, int], temporary: bool) -> Outcome:
-        """Collective: every stage in turn streams to ``servers``; a temporary push (a server joining) forms its
-        own groups and drops them after."""
+        """Collective: every stage streams to ``servers``, all at once or in turn (``at_once``); a temporary push
+        (a server joining) forms its own groups and drops them after."""
         local = Outcome()
         link = None
-        for stage in range(self.groups.pp):
-            if stage == self.groups.pp_rank and servers:
+        together = self.at_once(servers)  # decided once: servers that fail below do not change the groups
+        for stage in range(1 if together else self.groups.pp):
+            if (together or stage == self.groups.pp_rank) and servers:
                 if self.is_head:
-                    link, local.errors = self._link_for(servers, temporary)
+                    link, local.errors = self._link_for(servers, temporary, per_server=together)
                 if takes_part(self.groups):
                     self._stream(link, version, local)
-            if self.groups.pp > 1 and stage < self.groups.pp - 1:
+            if not together and stage < self.groups.pp - 1:
                 # later stages leave out the servers that already failed (they would wait for them)
                 failed = self.merge(Outcome(errors=dict(local.errors))).errors
                 servers = {u: tp for u, tp in servers.items() if u not in failed}
@@ -59,6 +62,14 @@ class StagePush:
             if link is self.link:
                 self.link = None
         return outcome
+
+    def at_once(self, servers: dict[str, int]) -> bool:
+        """Whether the stages stream at the same time, each head over its own group with each server: when there
+        are no more servers than stages. Then a head sends its stage once per server, no more than a server
+        receives from all stages together. With more servers than stages, one group per stage with every
+        server in it lets the broadcast carry a stage's bytes once from its head (NCCL pipelines it through
+        the servers), and the stages go in turn (at once they could deadlock: ``link``)."""
+        return len(servers) <= self.groups.pp
 
     def close(self, live: list[str]) -> None:
         if self.link is not None:
@@ -106,9 +117,11 @@ class StagePush:
         local.reply_seconds += time.perf_counter() - clock
         return errors
 
-    def _link_for(self, servers: dict[str, int], temporary: bool) -> tuple[StageLink | None, dict[str, str]]:
-        """The stage's group with exactly ``servers``, formed now unless the current one matches."""
-        if not temporary and self.link is not None and self.link.urls == list(servers):
+    def _link_for(self, servers: dict[str, int], temporary: bool,
+                  per_server: bool) -> tuple[StageLink | None, dict[str, str]]:
+        """The stage's groups with exactly ``servers``, formed now unless the current ones match."""
+        if not temporary and self.link is not None and self.link.urls == list(servers) \
+                and self.link.per_server == per_server:
             return self.link, {}
         if not temporary and self.link is not None:
             self.link.destroy(list(servers))
@@ -117,7 +130,7 @@ class StagePush:
         assert self.fleet is not None
         link = StageLink(self.fleet, servers, stage=self.groups.pp_rank, generation=self.generation,
                          master_address=self.master_address, backend=self.backend,
-                         timeout_s=self.config.timeout_s, device=self.groups.device)
+                         timeout_s=self.config.timeout_s, device=self.groups.device, per_server=per_server)
         errors = link.form()
         if errors:
             link.destroy([u for u in servers if u not in errors])

@@ -4,7 +4,7 @@ derives the same rounds without talking: a sender its own streams, rank 0 every 
 
 A stream is one sender's slices for a set of server ranks that need exactly the same slices from it (all
 of them when servers take whole tensors), cut into buckets of at most ``bucket_bytes``; bucket ``k``
-travels in round ``k``, as one message to each of the stream's receivers.
+travels in round ``k``, as one message per slice to each of the stream's receivers.
 """
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ def manifest_for(streams: list[Stream], server: int, *, group_rank: dict[int, in
     mine = [s for s in streams if (server, 0) in s.receivers]
     rounds = []
     for k in range(max((len(s.buckets) for s in mine), default=0)):
+        # one message per slice, in the bucket's order: what ``shard_send`` sends
         rounds.append([{"src": group_rank[s.sender], "sender": describe[s.sender],
                         "slices": [[sl.name, str(dtype).removeprefix("torch."), list(sl.shape), sl.dim, sl.start,
-                                    sl.stop] for _, sl in s.buckets[k]]}
-                       for s in mine if k < len(s.buckets)])
+                                    sl.stop]]}
+                       for s in mine if k < len(s.buckets) for _, sl in s.buckets[k]])
     return {"rounds": rounds}

@@ -265,46 +265,91 @@ def receive_slices(pg: dist.ProcessGroup, rounds: list[list[tuple[int, str, list
                    device: torch.device, on_round: object) -> int:
     """Receive every round of a checked manifest (``check_manifest``) and assemble whole tensors.
 
-    After each round ``on_round({name: tensor})`` gets the tensors completed in it. Every wait is
-    bounded by ``timeout_s``; a sender that fails or stays silent raises ``WireError`` naming it.
-    Returns the number of tensors assembled.
+    After each round ``on_round({name: tensor})`` gets the tensors completed in it (fresh tensors, no
+    one else's). Round k + 1's receives are posted before round k is waited for, so at most two rounds'
+    tensors are held. Every wait is bounded by ``timeout_s``; a sender that fails or stays silent raises
+    ``WireError`` naming it. Returns the number of tensors assembled.
     """
-    partial: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, elements still missing)
+    assembly = _Assembly(device)
     done = 0
-    for k, messages in enumerate(rounds):
-        posted = []
-        for src, sender, specs in messages:
-            size = sum(slice_nbytes(shape, dim, a, b, dtype) for _, dtype, shape, dim, a, b in specs)
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
-            posted.append((sender, specs, buffer, dist.irecv(buffer, group=pg, group_src=src, tag=k)))
+    posted = _post(pg, rounds[0], 0, assembly) if rounds else []
+    for k in range(len(rounds)):
+        ahead = _post(pg, rounds[k + 1], k + 1, assembly) if k + 1 < len(rounds) else []
         complete: dict[str, torch.Tensor] = {}
-        for sender, specs, buffer, work in posted:
+        for sender, work, finish in posted:
             try:
                 work.wait(timedelta(seconds=timeout_s))
             except RuntimeError as e:
                 raise WireError(f"{sender}: round {k} of the weight push not received: {e}") from None
-            offset = 0
-            for name, dtype, shape, dim, a, b in specs:
-                n = slice_nbytes(shape, dim, a, b, dtype)
-                piece = buffer[offset:offset + n]
-                piece = (piece if offset % dtype.itemsize == 0 else piece.clone()).view(dtype)
-                offset += n
-                target, missing = partial.get(name) or (torch.empty(shape, dtype=dtype, device=device),
-                                                        _numel(shape))
-                target.narrow(dim, a, b - a).copy_(piece.view(slice_shape(shape, dim, a, b)))
-                missing -= piece.numel()
-                if missing <= 0:
-                    partial.pop(name, None)
-                    complete[name] = target
-                else:
-                    partial[name] = (target, missing)
+            for name in finish():
+                complete[name] = assembly.take(name)
         done += len(complete)
         if complete:
             on_round(complete)  # type: ignore[operator]
-    if partial:
-        missing = ", ".join(f"{n} ({m} elements)" for n, (_, m) in list(partial.items())[:5])
+        posted = ahead
+    if assembly.missing:
+        missing = ", ".join(f"{n} ({m} elements)" for n, m in list(assembly.missing.items())[:5])
         raise WireError(f"weight push ended with tensors incomplete: {missing}")
     return done
+
+
+class _Assembly:
+    """Whole tensors being assembled from slices: each allocated when its first slice is posted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.missing: dict[str, int] = {}  # elements not yet received
+
+    def region(self, name: str, dtype: torch.dtype, shape: list[int], dim: int, a: int, b: int) -> torch.Tensor:
+        """The part ``a:b`` along ``dim`` of the tensor ``name`` (allocated with its first part)."""
+        if name not in self.tensors:
+            self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
+            self.missing[name] = _numel(shape)
+        return self.tensors[name].narrow(dim, a, b - a)
+
+    def arrived(self, name: str, region: torch.Tensor) -> bool:
+        """Count ``region`` of ``name`` as received; whether the tensor is complete now."""
+        self.missing[name] -= region.numel()
+        return self.missing[name] <= 0
+
+    def take(self, name: str) -> torch.Tensor:
+        self.missing.pop(name)
+        return self.tensors.pop(name)
+
+
+def _post(pg: dist.ProcessGroup, messages: list[tuple[int, str, list]], k: int,
+          assembly: _Assembly) -> list[tuple[str, dist.Work, object]]:
+    """Post one round's receives, in the manifest's order. A message of one slice that is a contiguous range
+    of its tensor lands in the tensor itself; any other is received into a buffer and copied out after.
+    Returns (sender, work, finish) per message: ``finish()`` completes the copies and names the tensors
+    this message completed."""
+    posted = []
+    for src, sender, specs in messages:
+        regions = [(assembly.region(name, dtype, shape, dim, a, b), name) for name, dtype, shape, dim, a, b in specs]
+        if len(regions) == 1 and regions[0][0].is_contiguous():
+            region, name = regions[0]
+            work = dist.irecv(region.reshape(-1).view(torch.uint8), group=pg, group_src=src, tag=k)
+            posted.append((sender, work, lambda name=name, region=region: [name] if assembly.arrived(name, region)
+                           else []))
+            continue
+        size = sum(r.numel() * r.element_size() for r, _ in regions)
+        buffer = torch.empty(size, dtype=torch.uint8, device=assembly.device)
+
+        def finish(buffer: torch.Tensor = buffer, regions: list = regions) -> list[str]:
+            offset, names = 0, []
+            for region, name in regions:
+                n = region.numel() * region.element_size()
+                piece = buffer[offset:offset + n]
+                piece = piece if offset % region.element_size() == 0 else piece.clone()
+                region.copy_(piece.view(region.dtype).view(region.shape))
+                offset += n
+                if assembly.arrived(name, region):
+                    names.append(name)
+            return names
+
+        posted.append((sender, dist.irecv(buffer, group=pg, group_src=src, tag=k), finish))
+    return posted
 
 
 def _numel(shape: list[int]) -> int:
