@@ -7,7 +7,6 @@ and weights load (from disk or from the trainer) without a name map.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_areal.model.arch import ModelArch
@@ -15,6 +14,7 @@ from megatron_areal.model.rope import rope_inv_freq
 from megatron_areal.server.attention import ForwardBatch, packed_attention
 from megatron_areal.server.kv_cache import KVCache
 from megatron_areal.server.moe import GatedMLP, SparseMoE
+from megatron_areal.server.packed_linear import FusedLinear
 
 
 class RMSNorm(nn.Module):
@@ -59,18 +59,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
+        self._qkv, self._o = FusedLinear(self.q_proj, self.k_proj, self.v_proj), FusedLinear(self.o_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = packed_attention(q[0], k[0], v[0], cache, layer, batch)  # the batch is one packed row
-        return self.o_proj(out.reshape(b, t, -1))
+        return self._o(out.reshape(b, t, -1))[0]
 
 
 class DecoderLayer(nn.Module):
@@ -103,11 +105,7 @@ class CausalLM(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
-
-    def output_weight(self) -> torch.Tensor:
-        if self.arch.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
+        self._output = FusedLinear(self.model.embed_tokens if arch.tie_word_embeddings else self.lm_head)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: ForwardBatch, cache: KVCache,
@@ -123,4 +121,4 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, batch, routes)
         last = x[0, batch.last]
-        return F.linear(self.model.norm(last), self.output_weight()).float()
+        return self._output(self.model.norm(last))[0].float()
