@@ -39,11 +39,23 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos/sin: [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; cos/signed_sin: [B, T, 1, D] (``rope_tables``).
+
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, as
+    ``roll(x) * cat(-sin1, sin2)``: the same products (only a sign moves), one op instead of three.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and the sign-folded sin of ``apply_rope`` for ``positions`` [B, T]: [B, T, 1, D] each."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -64,15 +76,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                 batch: ForwardBatch) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self._qkv(x)
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self._qkv(x).view(b, t, heads + 2 * kv_heads, d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        else:  # queries and keys side by side in one rotation
+            qk = apply_rope(qkv[:, :, :heads + kv_heads], cos, sin)
+            q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads:]
         out = packed_attention(q[0], k[0], v[0], cache, layer, batch)  # the batch is one packed row
-        return self._o(out.reshape(b, t, -1))[0]
+        return self._o(out.reshape(b, t, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -115,10 +128,8 @@ class CausalLM(nn.Module):
         With ``routes`` (a MoE model), each layer appends the experts it chose per token, [N, top_k].
         """
         x = self.model.embed_tokens(tokens)
-        freqs = batch.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope_tables(batch.positions, self.inv_freq, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, batch, routes)
         last = x[0, batch.last]
-        return self._output(self.model.norm(last))[0].float()
+        return self._output(self.model.norm(last)).float()

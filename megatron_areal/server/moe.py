@@ -32,8 +32,8 @@ class GatedMLP(nn.Module):
         self._gate_up, self._down = FusedLinear(gate, up), FusedLinear(down)  # one matmul for gate and up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._gate_up(x)
-        return self._down(F.silu(gate) * up)[0]
+        gate, up = self._gate_up(x).chunk(2, dim=-1)
+        return self._down(F.silu(gate) * up)
 
 
 class SparseMoE(nn.Module):

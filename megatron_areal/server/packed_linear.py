@@ -43,22 +43,21 @@ class FusedLinear:
         self._key: tuple | None = None
         self._weight: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
-        self._sizes: list[int] = []
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One output per module, ``[..., out_i]`` (views of one matmul's output when packed)."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., sum of out_i]``: the modules' outputs side by side, in order."""
         weights = [m.weight for m in self.modules]
         biases = [getattr(m, "bias", None) for m in self.modules]
         if not onednn_usable(weights[0]):
-            return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+            outs = [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         key = tuple((t.data_ptr(), t._version) for t in weights + biases if t is not None)
         if key != self._key:
             self._pack(weights, biases)
             self._key = key
         flat = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(flat, self._weight, self._bias, "none", [], "")
-        out = out.view(*x.shape[:-1], out.shape[-1])
-        return (out,) if len(self._sizes) == 1 else out.split(self._sizes, dim=-1)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def _pack(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
         present = [b for b in biases if b is not None]
@@ -68,4 +67,3 @@ class FusedLinear:
         # 32: the rows oneDNN chooses its blocking for, a decode step's batch (vLLM's hint too).
         self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         self._bias = torch.cat([b.detach() for b in present]) if present else None
-        self._sizes = [w.shape[0] for w in weights]
