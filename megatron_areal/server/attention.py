@@ -22,23 +22,39 @@ import torch.nn.functional as F
 
 from megatron_areal.server.kv_cache import KVCache
 
+# Attending a sequence apart costs a copy of its keys and values and the attention itself; both
+# against the extra keys it would make every slot of the window read.
+APART_COST = 2
+_UNPLANNED = object()
+
+
+@dataclass
+class Masked:
+    """Keys ``0 .. keys-1`` of a set of slots, and ``mask_S11L``: 0 where a key is its sequence's,
+    -inf past it."""
+
+    keys: int
+    mask_S11L: torch.Tensor
+
 
 @dataclass
 class DecodePlan:
-    """Where a step's single-token rows sit in the packed batch and in the cache window.
+    """Where a step's single-token rows sit in the packed batch and in the cache.
 
     ``tokens``: their packed positions (a slice when they lead the batch, as the engine packs them);
     ``lo``/``width``: the window of slots ``lo .. lo + width - 1`` holding them; ``window_rows``:
-    each one's row in that window (None when they are the window, in order); ``keys``: the longest
-    one's keys; ``mask_W11L``: 0 where a slot's key is one of its sequence's, -inf past it.
+    each one's row in that window (None when they are the window, in order); ``window``: the keys
+    the window reads. ``apart``: the few decodes much longer than the rest (their index among the
+    decodes, their slots, their keys), attended apart so that the window reads only up to the
+    longest of the others (None: none).
     """
 
     tokens: slice | torch.Tensor
     lo: int
     width: int
     window_rows: torch.Tensor | None
-    keys: int
-    mask_W11L: torch.Tensor
+    window: Masked
+    apart: tuple[torch.Tensor, torch.Tensor, Masked] | None
 
 
 class ForwardBatch:
@@ -60,7 +76,7 @@ class ForwardBatch:
         self.positions = self.token_positions[None]  # [1, N]: the packed row's positions, for RoPE
         self.prefills = [row for row in self.rows if row[2] > 1]
         self._cache_rows: torch.Tensor | None = None
-        self._decode: DecodePlan | None = None
+        self._decode: DecodePlan | None | object = _UNPLANNED
 
     def cache_rows(self, cache: KVCache) -> torch.Tensor:
         """Each token's rows in a layer's flattened cache (``KVCache.rows``), computed once a step."""
@@ -70,7 +86,7 @@ class ForwardBatch:
 
     def decode(self, cache: KVCache) -> DecodePlan | None:
         """The single-token rows' plan (None when there are none), computed once a step."""
-        if self._decode is None:
+        if self._decode is _UNPLANNED:
             self._decode = _plan_decodes([r for r in self.rows if r[2] == 1], cache, self.device)
         return self._decode
 
@@ -80,19 +96,44 @@ def _plan_decodes(rows: list[tuple[int, int, int, int]], cache: KVCache, device:
         return None
     slots = [slot for slot, _, _, _ in rows]
     firsts = [first for _, _, _, first in rows]
+    keys = [start + 1 for _, start, _, _ in rows]
     lo, width = min(slots), max(slots) - min(slots) + 1
-    keys = max(start for _, start, _, _ in rows) + 1
+    apart = _apart(keys, width)
     in_order = width == len(rows) and all(s == lo + i for i, s in enumerate(slots))
     tokens = (slice(firsts[0], firsts[0] + len(rows)) if firsts == list(range(firsts[0], firsts[0] + len(rows)))
               else torch.tensor(firsts, dtype=torch.long, device=device))
-    lengths = [1] * width  # a slot in the window that is not decoding reads its first key (discarded)
-    for slot, start, _, _ in rows:
-        lengths[slot - lo] = start + 1
-    visible = torch.arange(keys, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
-    mask = torch.zeros(width, 1, 1, keys, dtype=cache.k.dtype, device=device).masked_fill_(
-        ~visible[:, None, None, :], float("-inf"))
+    window_keys = [1] * width  # a slot in the window that is not decoding here reads its first key (discarded)
+    for i, (slot, n) in enumerate(zip(slots, keys, strict=True)):
+        if i not in apart:
+            window_keys[slot - lo] = n
     window_rows = None if in_order else torch.tensor([s - lo for s in slots], dtype=torch.long, device=device)
-    return DecodePlan(tokens, lo, width, window_rows, keys, mask)
+    plan = DecodePlan(tokens, lo, width, window_rows, _masked(window_keys, cache.k.dtype, device), None)
+    if apart:
+        plan.apart = (torch.tensor(apart, dtype=torch.long, device=device),
+                      torch.tensor([slots[i] for i in apart], dtype=torch.long, device=device),
+                      _masked([keys[i] for i in apart], cache.k.dtype, device))
+    return plan
+
+
+def _apart(keys: list[int], width: int) -> list[int]:
+    """Which decodes to attend apart: the longest g, for the g that makes the least work, counting a
+    key read by the window as 1 and a key of a decode apart as ``APART_COST``."""
+    order = sorted(range(len(keys)), key=lambda i: -keys[i])
+    longest = keys[order[0]]
+    best, cost = 0, width * longest
+    for g in range(1, len(keys) // 4 + 1):
+        c = width * keys[order[g]] + APART_COST * g * longest
+        if c < cost:
+            best, cost = g, c
+    return sorted(order[:best])
+
+
+def _masked(lengths: list[int], dtype: torch.dtype, device: torch.device) -> Masked:
+    keys = max(lengths)
+    visible = torch.arange(keys, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    mask = torch.zeros(len(lengths), 1, 1, keys, dtype=dtype, device=device).masked_fill_(
+        ~visible[:, None, None, :], float("-inf"))
+    return Masked(keys, mask)
 
 
 def packed_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cache: KVCache,
@@ -126,11 +167,18 @@ def _decode_attention(q_nHD: torch.Tensor, cache: KVCache, layer: int, plan: Dec
         q_WHD = q_nHD
     else:
         q_WHD = q_nHD.new_zeros(plan.width, heads, dim).index_copy_(0, plan.window_rows, q_nHD)
-    keys_WKLD, values_WKLD = cache.window(layer, plan.lo, plan.width, plan.keys)
+    keys_WKLD, values_WKLD = cache.window(layer, plan.lo, plan.width, plan.window.keys)
     out = F.scaled_dot_product_attention(q_WHD.view(plan.width, kv_heads, heads // kv_heads, dim),
-                                         keys_WKLD, values_WKLD, attn_mask=plan.mask_W11L)
+                                         keys_WKLD, values_WKLD, attn_mask=plan.window.mask_S11L)
     out_WHD = out.reshape(plan.width, heads, dim)
-    return out_WHD if plan.window_rows is None else out_WHD.index_select(0, plan.window_rows)
+    out_nHD = out_WHD if plan.window_rows is None else out_WHD.index_select(0, plan.window_rows)
+    if plan.apart is not None:
+        rows, slots, masked = plan.apart
+        keys_gKLD, values_gKLD = cache.gather(layer, slots, masked.keys)
+        q_gKGD = q_nHD.index_select(0, rows).view(len(rows), kv_heads, heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(q_gKGD, keys_gKLD, values_gKLD, attn_mask=masked.mask_S11L)
+        out_nHD.index_copy_(0, rows, out.reshape(len(rows), heads, dim))
+    return out_nHD
 
 
 def _causal(start: int, n: int, device: torch.device) -> torch.Tensor | None:

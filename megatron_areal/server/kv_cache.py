@@ -74,6 +74,12 @@ class KVCache:
         ``[count, kv_heads, length, head_dim]``."""
         return (self.k[layer, first:first + count, :, :length], self.v[layer, first:first + count, :, :length])
 
+    def gather(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of positions ``0 .. length-1`` of ``slots``:
+        ``[len(slots), kv_heads, length, head_dim]``."""
+        return (self.k[layer, :, :, :length].index_select(0, slots),
+                self.v[layer, :, :, :length].index_select(0, slots))
+
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Give slot ``dst`` the KV of the first ``length`` positions of slot ``src`` (all layers)."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
