@@ -52,15 +52,33 @@ class KVCache:
         """Every slot free again; only for when no sequence holds one."""
         self._free = list(range(self.num_slots - 1, -1, -1))
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Store k/v ``[N, kv_heads, head_dim]``: token i at ``positions[i]`` of slot ``slots[i]``."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
+    def rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[N * kv_heads]``: where token i (at ``positions[i]`` of slot ``slots[i]``) keeps each kv
+        head, as rows of a layer's cache flattened to ``[slots * kv_heads * max_len, head_dim]``."""
+        kv_heads = self.k.shape[2]
+        heads = torch.arange(kv_heads, device=slots.device)
+        return ((slots[:, None] * kv_heads + heads) * self.max_len + positions[:, None]).reshape(-1)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v ``[N, kv_heads, head_dim]`` at ``rows`` (``rows()``): one copy each, whatever N."""
+        dim = self.k.shape[-1]
+        self.k[layer].view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim))
+        self.v[layer].view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim))
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``0 .. length-1`` of a slot: views ``[kv_heads, length, head_dim]``."""
         return self.k[layer, slot, :, :length], self.v[layer, slot, :, :length]
+
+    def window(self, layer: int, first: int, count: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``0 .. length-1`` of slots ``first .. first+count-1``: views
+        ``[count, kv_heads, length, head_dim]``."""
+        return (self.k[layer, first:first + count, :, :length], self.v[layer, first:first + count, :, :length])
+
+    def gather(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of positions ``0 .. length-1`` of ``slots``:
+        ``[len(slots), kv_heads, length, head_dim]``."""
+        return (self.k[layer, :, :, :length].index_select(0, slots),
+                self.v[layer, :, :, :length].index_select(0, slots))
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Give slot ``dst`` the KV of the first ``length`` positions of slot ``src`` (all layers)."""

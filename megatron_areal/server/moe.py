@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_areal.model.arch import ModelArch
+from megatron_areal.server.packed_linear import FusedLinear
 
 
 class GatedMLP(nn.Module):
@@ -28,11 +29,11 @@ class GatedMLP(nn.Module):
                           nn.Linear(width, hidden, bias=False))
         for name, module in zip(names, (gate, up, down), strict=True):
             self.add_module(name, module)
-        self._projections = (gate, up, down)  # a tuple: not registered a second time
+        self._gate_up, self._down = FusedLinear(gate, up), FusedLinear(down)  # one matmul for gate and up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = self._projections
-        return down(F.silu(gate(x)) * up(x))
+        gate, up = self._gate_up(x).chunk(2, dim=-1)
+        return self._down(F.silu(gate) * up)
 
 
 class SparseMoE(nn.Module):

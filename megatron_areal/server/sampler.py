@@ -41,14 +41,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32 -> (token ids [B], logprobs [B])."""
     # temperature 0 is greedy and scored at T=1; top_k=1 is greedy too but keeps its temperature.
-    temps = torch.tensor([1.0 if p.temperature < GREEDY_BELOW else p.temperature for p in params],
-                         device=logits.device)
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        sampled = _sample_rows(logprobs, params, generators)
-        tokens = torch.where(greedy, tokens, sampled)
+    temps = [1.0 if p.temperature < GREEDY_BELOW else p.temperature for p in params]
+    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=logits.device)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    greedy = [p.greedy for p in params]
+    # Each full-vocabulary pass is a few milliseconds at a decode step's 32 rows: only the ones needed.
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = _sample_rows(logprobs, params, generators)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), tokens)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return tokens, chosen
 
