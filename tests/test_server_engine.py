@@ -410,3 +410,25 @@ def test_the_runner_computes_with_the_threads_the_engine_was_built_with(tiny_lla
         engine.stop()
         torch.set_num_threads(before)
     assert seen == [2]
+
+
+@pytest.mark.parametrize("adopt", [False, True], ids=["copied", "adopted"])
+def test_installed_weights_are_what_the_next_forward_computes_with(tiny_llama, engine_for, adopt: bool) -> None:
+    """After a weight install (copied into the parameters, or adopted as their storage as a shard push does),
+    the engine's outputs are transformers' on the new weights: no layer keeps computing with a copy of the
+    old ones (the fp32 linear layers run from packed copies of their weights)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_for(tiny_llama)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    run(engine, [("warm", PROMPTS[0], greedy)])  # the packed copies are made from the old weights
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    new = {n: t.detach().clone() for n, t in hf.state_dict().items() if n in engine.model.state_dict()}
+    engine._install(new, "v1", complete=False, adopt=adopt)
+    done = run(engine, [(f"g{i}", p, greedy) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        assert done[f"g{i}"].output_ids == hf_greedy(hf, prompt, 12)
+        assert_logprobs_match(hf, done[f"g{i}"], 1.0)
