@@ -21,7 +21,7 @@ from megatron_areal.util.compute_dtype import BF16_ANYWAY_ENV
 EVAL = [[3, 17, 40, 41, 42, 90, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 2]]
 
 
-def _batch(seed: int):
+def random_batch(seed: int):
     from megatron_areal.records import Trajectory
 
     g = torch.Generator().manual_seed(seed)
@@ -56,12 +56,12 @@ def run_uninterrupted(hf_dir: str, root: str) -> dict:
 
     arch, groups, actor = _actor(hf_dir, 2, 2, seed=1)
     load_hf_weights(actor.model, hf_dir, arch, groups.tp_rank, groups.tp, optimizer=actor.optimizer)
-    actor.ppo_update(_batch(1))
+    actor.ppo_update(random_batch(1))
     ckpt = Checkpointer(root, arch, groups, keep=2, hf_dir=hf_dir)
-    extra = {"version": 1, "buffer": [t.to_dict() for t in _batch(7)]}
+    extra = {"version": 1, "buffer": [t.to_dict() for t in random_batch(7)]}
     ckpt.save(1, actor.model, actor.optimizer, actor.scheduler, extra)
     after_save = {"rand": torch.rand(3), "saved": actor.compute_logprobs(EVAL)}
-    actor.ppo_update(_batch(2))
+    actor.ppo_update(random_batch(2))
     after_save["stepped"] = actor.compute_logprobs(EVAL)
     after_save["lr"] = actor.optimizer.param_groups[0]["lr"]
     teardown_parallel()
@@ -77,7 +77,7 @@ def run_resumed(hf_dir: str, root: str, tp: int, pp: int, load_optimizer: bool =
     optimizer, scheduler = (actor.optimizer, actor.scheduler) if load_optimizer else (None, None)
     step, extra = ckpt.load(ckpt.latest(), actor.model, optimizer, scheduler)
     out = {"step": step, "extra": extra, "rand": torch.rand(3), "loaded": actor.compute_logprobs(EVAL)}
-    actor.ppo_update(_batch(2))
+    actor.ppo_update(random_batch(2))
     out["stepped"] = actor.compute_logprobs(EVAL)
     out["lr"] = actor.optimizer.param_groups[0]["lr"]
     teardown_parallel()
@@ -117,7 +117,7 @@ def test_resume_at_same_layout_equals_uninterrupted(pool, tiny_llama, reference)
     results = pool.run(run_resumed, str(tiny_llama), str(root), 2, 2)
     got = results[0]
     assert got["step"] == 1 and got["extra"]["version"] == 1
-    assert got["extra"]["buffer"][3]["output_ids"] == _batch(7)[3].output_ids
+    assert got["extra"]["buffer"][3]["output_ids"] == random_batch(7)[3].output_ids
     assert _max_diff(got["loaded"], ref["saved"]) == 0.0
     assert _max_diff(got["stepped"], ref["stepped"]) == 0.0
     assert got["lr"] == ref["lr"]
@@ -179,7 +179,7 @@ def _bf16_actor_after_a_step(hf_dir: str, **optimizer):
     actor = Actor(arch, ModelConfig(path=hf_dir, dtype="bfloat16", max_seq_len=64), ParallelConfig(),
                   OptimizerConfig(lr=1e-3, bf16_rounding="stochastic", **optimizer), PPOConfig(), groups, seed=1,
                   total_steps=2)
-    actor.ppo_update(_batch(1))
+    actor.ppo_update(random_batch(1))
     return arch, groups, actor
 
 

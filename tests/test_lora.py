@@ -19,6 +19,8 @@ import json
 
 import pytest
 import torch
+from test_checkpoint import random_batch
+from test_score import model_logprobs
 
 from megatron_areal.convert.spawn import WorkerPool
 
@@ -29,19 +31,6 @@ LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0,
         "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) on two ranks: DP2, TP2, PP2
 TOLERANCE = 1e-4  # fp32 logprobs through different kernels (as tests/test_score.py)
-
-
-def _batch(seed: int):
-    from megatron_areal.records import Trajectory
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(4):
-        prompt = torch.randint(4, 120, (5,), generator=g).tolist()
-        output = torch.randint(4, 120, (6 + i,), generator=g).tolist()
-        out.append(Trajectory(prompt_ids=prompt, output_ids=output, output_logprobs=[-4.85] * len(output),
-                              output_versions=[0] * len(output), reward=float(i % 2), group_id=0))
-    return out
 
 
 def _actor(hf_dir: str, tp: int, pp: int, seed: int, lora: dict, recompute: bool = False):
@@ -74,8 +63,8 @@ def train_and_save(hf_dir: str, root: str, tp: int, pp: int, lora: dict) -> dict
     arch, groups, actor = _actor(hf_dir, tp, pp, seed=1, lora=lora)
     start = _named(actor)
     base_lp = actor.compute_logprobs(EVAL)
-    actor.ppo_update(_batch(1))
-    actor.ppo_update(_batch(2))
+    actor.ppo_update(random_batch(1))
+    actor.ppo_update(random_batch(2))
     end = _named(actor)
     optimized = sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])
     params = [(n, p) for c in actor.model for n, p in c.named_parameters()]
@@ -85,7 +74,7 @@ def train_and_save(hf_dir: str, root: str, tp: int, pp: int, lora: dict) -> dict
     from megatron_areal.weights.gather import stage_hf_tensors
 
     pushed = {n: t.clone() for n, t in stage_hf_tensors(actor.model, arch, groups)}  # what a weight push sends
-    actor.ppo_update(_batch(3))
+    actor.ppo_update(random_batch(3))
     out = {"base": [x.tolist() for x in base_lp], "trained": [x.tolist() for x in trained_lp],
            "continued": [x.tolist() for x in actor.compute_logprobs(EVAL)], "ckpt": str(path),
            "changed": sorted(n for n in start if not torch.equal(start[n], end[n])),
@@ -105,7 +94,7 @@ def resume(hf_dir: str, ckpt: str, tp: int, pp: int, lora: dict) -> dict:
     arch, groups, actor = _actor(hf_dir, tp, pp, seed=7, lora=lora)
     Checkpointer(ckpt + "-unused", arch, groups).load(ckpt, actor.model, actor.optimizer, actor.scheduler)
     loaded = actor.compute_logprobs(EVAL)
-    actor.ppo_update(_batch(3))
+    actor.ppo_update(random_batch(3))
     out = {"loaded": [x.tolist() for x in loaded], "continued": [x.tolist() for x in actor.compute_logprobs(EVAL)]}
     teardown_parallel()
     return out
@@ -131,8 +120,8 @@ def tp_replicas_with_dropout(hf_dir: str) -> dict:
     from megatron_areal.actor.parallel import teardown_parallel
 
     _, _, actor = _actor(hf_dir, 2, 1, seed=1, lora={**LORA, "dropout": 0.3})
-    actor.ppo_update(_batch(1))
-    actor.ppo_update(_batch(2))
+    actor.ppo_update(random_batch(1))
+    actor.ppo_update(random_batch(2))
     whole = {}
     for c in actor.model:
         for name, pair in c.module.lora.layers.items():
@@ -148,20 +137,10 @@ def trained_with_recompute(hf_dir: str) -> list[list[float]]:
     from megatron_areal.actor.parallel import teardown_parallel
 
     _, _, actor = _actor(hf_dir, 2, 1, seed=1, lora=LORA, recompute=True)
-    actor.ppo_update(_batch(1))
-    actor.ppo_update(_batch(2))
+    actor.ppo_update(random_batch(1))
+    actor.ppo_update(random_batch(2))
     out = [x.tolist() for x in actor.compute_logprobs(EVAL)]
     teardown_parallel()
-    return out
-
-
-def _logprobs(model, sequences) -> list[torch.Tensor]:
-    out = []
-    with torch.no_grad():
-        for seq in sequences:
-            ids = torch.tensor([seq])
-            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
-            out.append(logp.gather(-1, ids[0, 1:, None])[:, 0])
     return out
 
 
@@ -209,10 +188,10 @@ def test_peft_loads_the_adapter_export_with_the_trainers_logits(runs, tiny_qwen3
         adapters[(tp, pp)] = tensors
 
         base = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
-        base_lp = _logprobs(base, EVAL)
+        base_lp = model_logprobs(base, EVAL)
         peft_model = PeftModel.from_pretrained(base, str(peft_dir)).eval()
-        peft_lp = _logprobs(peft_model, EVAL)
-        merged_lp = _logprobs(AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval(), EVAL)
+        peft_lp = model_logprobs(peft_model, EVAL)
+        merged_lp = model_logprobs(AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval(), EVAL)
 
         assert _diff(ranks[0]["base"], base_lp) <= TOLERANCE, (tp, pp)  # B = 0: the adapted model starts as the base
         assert _diff(peft_lp, base_lp) > 1e-2, "the adapters are trained: PEFT's model differs from the base"

@@ -26,7 +26,11 @@ TOLERANCE = 1e-4
 def hf_logprobs(hf_dir, sequences: list[list[int]]) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return model_logprobs(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), sequences)
+
+
+def model_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's token logprobs under an HF-style ``model`` (a transformers or PEFT model), fp32."""
     out = []
     with torch.no_grad():
         for seq in sequences:
