@@ -126,11 +126,12 @@ def stage_adapter_tensors(chunks: Sequence[torch.nn.Module], groups: ParallelGro
     the other ranks yield nothing."""
     if groups.dp_rank != 0:
         return
+    head = is_stage_head(groups)
     for chunk in chunks:
         adapters = getattr(unwrap(chunk), ADAPTERS, None)
         if adapters is None:
             continue
         for hf_name, a, b in adapters.whole_pairs(groups.tp_group):
-            if is_stage_head(groups):
+            if head:
                 yield adapter_name(hf_name, "A"), a
                 yield adapter_name(hf_name, "B"), b
