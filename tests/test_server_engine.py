@@ -427,8 +427,43 @@ def test_installed_weights_are_what_the_next_forward_computes_with(tiny_llama, e
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     new = {n: t.detach().clone() for n, t in hf.state_dict().items() if n in engine.model.state_dict()}
-    engine._install(new, "v1", complete=False, adopt=adopt)
+    engine._install(new, "v1", complete=False, replaced=[] if adopt else None)
     done = run(engine, [(f"g{i}", p, greedy) for i, p in enumerate(PROMPTS)])
     for i, prompt in enumerate(PROMPTS):
         assert done[f"g{i}"].output_ids == hf_greedy(hf, prompt, 12)
         assert_logprobs_match(hf, done[f"g{i}"], 1.0)
+
+
+def test_pushes_into_the_memory_of_replaced_weights_compute_with_the_new_ones(tiny_llama, engine_for) -> None:
+    """A shard push receives into the tensors the push before it replaced (``engine.spares``): the weights
+    of two versions ago. After each such install the engine's outputs are transformers' on the newest
+    weights (no packed fp32 copy is mistaken for current because its memory came back), and from the
+    third push on the parameters live in memory they held before."""
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_for(tiny_llama)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    run(engine, [("warm", PROMPTS[0], greedy)])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    names = [n for n in hf.state_dict() if n in dict(engine.model.named_parameters())]
+    addresses: list[set[int]] = []
+    for version in range(1, 5):
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        received = {}
+        for n in names:  # what the receive does: write each tensor into a spare when there is one
+            t = hf.state_dict()[n]
+            received[n] = engine.spares.take(t.shape, t.dtype, t.device).copy_(t)
+        replaced: list[torch.Tensor] = []
+        engine._install(received, str(version), complete=False, replaced=replaced)
+        del received
+        assert replaced and all(engine.spares.give(t) for t in replaced)
+        del replaced
+        params = dict(engine.model.named_parameters())
+        addresses.append({params[n].data_ptr() for n in names})
+        done = run(engine, [(f"v{version}-{i}", p, greedy) for i, p in enumerate(PROMPTS)])
+        for i, prompt in enumerate(PROMPTS):
+            assert done[f"v{version}-{i}"].output_ids == hf_greedy(hf, prompt, 12), f"push {version}"
+            assert_logprobs_match(hf, done[f"v{version}-{i}"], 1.0)
+    assert addresses[2] == addresses[0] and addresses[3] == addresses[1] and addresses[0] != addresses[1]

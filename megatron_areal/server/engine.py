@@ -34,14 +34,8 @@ from megatron_areal.server.weights import (
     read_safetensors,
 )
 from megatron_areal.util.compute_dtype import runnable_dtype
-from megatron_areal.weights.wire import (
-    AdapterMerge,
-    WeightUpdateGroup,
-    WireError,
-    adapter_target,
-    check_manifest,
-    receive_slices,
-)
+from megatron_areal.weights.shard_receive import Spares, WireError, check_manifest, receive_slices
+from megatron_areal.weights.wire import AdapterMerge, WeightUpdateGroup, adapter_target
 
 log = logging.getLogger(__name__)
 # While the model cannot step, an idle runner probes it this often, so /health recovers (after a
@@ -90,6 +84,10 @@ class Engine:
         self._update_session = False  # between /begin_weight_update and /end_weight_update
         # a model.lora run pushes adapters only: merged here into a kept copy of the base (weights/wire.py)
         self.adapters = AdapterMerge(lambda name: self.model.state_dict()[name])
+        # a shard push receives into the weights the one before replaced (weights/shard_receive.py): a second
+        # copy of the weights held between pushes, and up to half as much again in receive buffers
+        weight_bytes = sum(t.nbytes for t in self.model.state_dict().values())
+        self.spares = Spares(limit_bytes=weight_bytes + weight_bytes // 2)
         self._seeds = random.Random(opts.seed)
         self._lock = StepLock()  # held by a model step and by control operations (which go first)
         self._work = threading.Event()  # set when the runner may have something to do
@@ -507,13 +505,18 @@ class Engine:
         if not 1 <= senders < group.world_size:
             raise WeightError(f"senders: {senders} does not fit a group of {group.world_size} with this server in it")
         timeout_s = self.opts.weight_group_timeout_s if timeout_s is None else timeout_s
+        replaced: list[torch.Tensor] = []
         with one_thread():
             try:
                 count = receive_slices(group.pg, rounds, timeout_s=timeout_s, device=group.device,
+                                       spares=self.spares,
                                        on_round=lambda tensors: self._install(tensors, None, complete=False,
-                                                                              announce=False, adopt=True))
+                                                                              announce=False, replaced=replaced))
             except WireError as e:
                 raise WeightError(str(e)) from None
+            finally:
+                for t in replaced:  # the next push receives into them
+                    self.spares.give(t)
         if version is not None:
             with self._lock:
                 self.weight_version = str(version)
@@ -521,7 +524,11 @@ class Engine:
         return count
 
     def _install(self, tensors: dict[str, torch.Tensor], version: str | None, complete: bool,
-                 announce: bool = True, lora_scale: float | None = None, adopt: bool = False) -> None:
+                 announce: bool = True, lora_scale: float | None = None,
+                 replaced: list[torch.Tensor] | None = None) -> None:
+        """Check and install ``tensors``. With ``replaced`` the tensors are handed over (received for this
+        install, no one else's): those that fit become the parameters' storage, and the tensors they
+        replace are appended to ``replaced``."""
         with self._lock, one_thread():
             params = self.model.state_dict()
             # whole weights replace whatever base an adapter was merged into
@@ -530,7 +537,7 @@ class Engine:
                 tensors = self.adapters.merged(tensors, lora_scale, lambda n: params[n].shape if n in params else None)
             except ValueError as e:
                 raise WeightError(str(e)) from None
-            load_weights(self.model, tensors, complete=complete, adopt=adopt)
+            load_weights(self.model, tensors, complete=complete, replaced=replaced)
             if version is not None:
                 self.weight_version = str(version)
             # The KV of running requests was computed with the old weights: drop it; they are

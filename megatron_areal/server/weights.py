@@ -254,20 +254,24 @@ def check_finite(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complete: bool, adopt: bool = False) -> int:
+def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complete: bool,
+                 replaced: list[torch.Tensor] | None = None) -> int:
     """Check everything first (names, shapes, finiteness), then copy (casting to the model's dtype);
-    returns tensors loaded. With ``adopt`` the caller hands the tensors over (fresh, referenced by no one
-    else): one of the parameter's dtype, device and layout becomes the parameter's storage, not copied."""
+    returns tensors loaded. With ``replaced`` the caller hands the tensors over (fresh, referenced by no
+    one else): one of the parameter's dtype, device and layout becomes the parameter's storage, not
+    copied, and the tensor it replaces is appended to ``replaced``."""
     check_weights(model, tensors, complete=complete)
     params = dict(model.state_dict())
     check_finite(tensors, {name: p.dtype for name, p in params.items()})
-    owned = dict(model.named_parameters()) if adopt else {}
+    owned = dict(model.named_parameters()) if replaced is not None else {}
     loaded = 0
     for name, t in tensors.items():
         if name not in params:  # a tied lm_head.weight is the embedding, already loaded
             continue
         param = owned.get(name)
         if param is not None and t.dtype == param.dtype and t.device == param.device and t.is_contiguous():
+            assert replaced is not None
+            replaced.append(param.data)
             param.data = t
         else:
             params[name].copy_(t)

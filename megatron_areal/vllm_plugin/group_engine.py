@@ -30,7 +30,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megatron_areal.vllm_plugin.adapters import VLLMAdapterMerge
-from megatron_areal.weights.wire import adapter_target, check_manifest, join_group, receive_slices
+from megatron_areal.weights.shard_receive import Spares, check_manifest, receive_slices
+from megatron_areal.weights.wire import adapter_target, join_group
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateI
         self.group: dist.ProcessGroup | None = None
         self.group_name: str | None = None
         self.adapters: VLLMAdapterMerge | None = None  # made at the first adapter push
+        self.spares: Spares | None = None  # a shard push's tensors, reused by the next (made at the first)
 
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
         """Join the trainer's group as ``rank_offset`` + this worker's rank among the server's workers."""
@@ -146,8 +148,16 @@ class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateI
         """Assemble whole HF tensors from the trainer ranks' slices; vLLM's loader cuts this worker's part."""
         limit = 8 * sum(p.numel() for p in self.model.parameters())  # fp32, twice over
         rounds = check_manifest(update_info.manifest, senders=update_info.senders, max_bytes=limit)
-        receive_slices(self.group, rounds, timeout_s=update_info.timeout_s, device=self.device,
-                       on_round=lambda tensors: self.model.load_weights(list(tensors.items())))
+        if self.spares is None:  # vLLM's loader copies what it is given: the tensors can carry the next push
+            self.spares = Spares(limit_bytes=limit // 2)
+
+        def load(tensors: dict[str, torch.Tensor]) -> None:
+            self.model.load_weights(list(tensors.items()))
+            for name in list(tensors):
+                self.spares.give(tensors.pop(name))
+
+        receive_slices(self.group, rounds, timeout_s=update_info.timeout_s, device=self.device, on_round=load,
+                       spares=self.spares)
 
     def _receive_flat(self, names: list[str], dtypes: list[torch.dtype],
                       shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:

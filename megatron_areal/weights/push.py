@@ -11,6 +11,7 @@ through an HF folder on a shared filesystem and ``/update_weights_from_disk`` in
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_areal.actor.parallel import ParallelGroups
 from megatron_areal.fleet.client import RolloutClient
-from megatron_areal.fleet.fleet import Fleet, normalize_url
+from megatron_areal.fleet.fleet import Fleet, normalize_url, wait_all
 from megatron_areal.model.arch import ModelArch
 from megatron_areal.model.weights import ADAPTERS, unwrap
 from megatron_areal.weights.config import WeightsConfig
@@ -89,6 +90,22 @@ def transfer_of(transfer: str, engine: str, adapters: bool = False) -> str:
         raise ValueError("weights.transfer=shards: SGLang takes whole tensors from one source per group; "
                          "use stage_heads (or auto)")
     return transfer
+
+
+async def _restarted(client: RolloutClient, version: str) -> str | None:
+    """Why the member at ``client`` was restarted since the sync of weights ``version``, or None.
+
+    Versions we push are integers; a server that answers with a launch label instead (``"default"``,
+    SGLang's and ours) is a fresh process on a member's port: it lost the weights and its place in the
+    weight group, so it is dropped before the pause, and ``readmit`` at the end of the sync takes it back
+    with the current weights. One that does not answer within 10 s is left to the pause."""
+    try:
+        label = str(await asyncio.wait_for(client.weight_version(), 10.0))
+    except Exception:  # noqa: BLE001 - no answer: the pause decides
+        return None
+    if label != version and not _is_int(label):
+        return f"answers with weight version {label!r} instead of {version!r}: it was restarted"
+    return None
 
 
 def _is_int(label: str) -> bool:
@@ -164,8 +181,7 @@ class WeightSync:
     def sync(self, version: str | int) -> SyncResult:
         """Collective: pause, transfer, set ``version`` on every server, continue."""
         version, start = str(version), time.monotonic()
-        dropped = self._drop_restarted()
-        dropped.update(self._pause(list(self.servers)))
+        dropped = self._pause(list(self.servers), members=True)
         outcome = self._push_until_done(version, dropped)
         verified = self._verify(version) if self.config.verify and self.config.method == "distributed" else None
         self._resume(list(self.servers))
@@ -217,6 +233,8 @@ class WeightSync:
         launcher on their port), each with the current weights (``add_server``); rank 0 routes to them
         again (``fleet.join``). One that fails to take the weights stays out and is tried at the next call.
         Returns the urls re-admitted."""
+        if not self.lost:  # every rank drops and re-admits the same servers: all of them return here
+            return []
         back: dict[str, str] = {}
         if self.rank0 and self.lost:
             assert self.fleet is not None
@@ -249,19 +267,26 @@ class WeightSync:
         self.fleet = None
 
     # ---- steps (each collective over the control group) ----------------------------------
-    def _pause(self, urls: list[str]) -> dict[str, str]:
-        """Rank 0 pauses the servers; dead ones are dropped. Returns {url: error} of the dropped."""
+    def _pause(self, urls: list[str], members: bool = False) -> dict[str, str]:
+        """Rank 0 pauses the servers and opens their update sessions, one fan-out; the dead are dropped, and
+        with ``members`` those restarted since the last sync (``_restarted``), which are not paused. Returns
+        {url: why} of the dropped."""
         errors: dict[str, str] = {}
+        restarted: dict[str, str] = {}
         if self.rank0:
             assert self.fleet is not None
-            mode = self.config.pause_mode
+            mode, version = self.config.pause_mode, self.version if members else None
 
-            async def pause_and_begin(c: RolloutClient) -> None:  # one fan-out: each server in its own time
+            async def pause_and_begin(c: RolloutClient, url: str) -> None:  # each server in its own time
+                if version is not None and (why := await _restarted(c, version)):
+                    restarted[url] = why
+                    return
                 await c.pause(mode)
                 await weight_calls(c).begin_weight_update()
 
-            errors = self.fleet.each(urls, pause_and_begin)
-        return self._drop_dead(errors)
+            futures = {u: self.fleet.submit(u, lambda c, u=u: pause_and_begin(c, u)) for u in urls}
+            errors = wait_all(futures, self.fleet.timeout_s)
+        return self._drop_dead(errors, restarted)
 
     def _resume(self, urls: list[str]) -> None:
         if self.rank0 and urls:
@@ -299,35 +324,14 @@ class WeightSync:
             log.warning("weights v%s: retrying without %s (attempt %d)", version, ", ".join(lost), attempt + 2)
         raise WeightSyncError(f"weights v{version}: servers kept failing: " + "; ".join(dropped.values()))
 
-    def _drop_dead(self, errors: dict[str, str]) -> dict[str, str]:
-        """Rank 0 health-checks the servers named in ``errors``; all ranks drop the dead ones."""
-        dead: dict[str, str] = {}
+    def _drop_dead(self, errors: dict[str, str], restarted: dict[str, str] | None = None) -> dict[str, str]:
+        """Rank 0 health-checks the servers named in ``errors``; all ranks drop the dead ones and ``restarted``."""
+        dead: dict[str, str] = dict(restarted or {})
         if self.rank0 and errors:
             assert self.fleet is not None
             alive = self.fleet.alive(list(errors))  # members, or a server being added
-            dead = {u: errors[u] for u, ok in alive.items() if not ok}
+            dead.update({u: errors[u] for u, ok in alive.items() if not ok})
         return self._forget(self._from_rank0(dead))
-
-    def _drop_restarted(self) -> dict[str, str]:
-        """Rank 0 asks every member for its weight version. Versions we push are integers; one that
-        answers with a launch label instead (``"default"``, SGLang's and ours) is a fresh process on
-        a member's port, restarted since the last sync: it lost the weights and its place in the
-        weight group, so all ranks drop it before the pause, and ``readmit`` at the end of the sync
-        takes it back with the current weights. A member that does not answer is left to the pause."""
-        found: dict[str, str] = {}
-        if self.rank0 and self.version is not None and self.servers:
-            assert self.fleet is not None
-            futures = {u: self.fleet.submit(u, lambda c: c.weight_version()) for u in self.servers}
-            deadline = time.monotonic() + 10.0
-            for url, future in futures.items():
-                try:
-                    label = str(future.result(max(0.1, deadline - time.monotonic())))
-                except Exception:  # noqa: BLE001 - no answer: the pause decides
-                    continue
-                if label != self.version and not _is_int(label):
-                    found[url] = (f"answers with weight version {label!r} instead of {self.version!r}: "
-                                  "it was restarted")
-        return self._forget(self._from_rank0(found))
 
     def _forget(self, dead: dict[str, str]) -> dict[str, str]:
         """Every rank: drop ``dead`` from the members (rank 0 stops routing to them: ``fleet.drop``); remember
