@@ -142,23 +142,26 @@ def modules_imported_from(part: str, target: str) -> dict[str, list[str]]:
     return out
 
 
-WIRE = "megatron_areal.weights.wire"  # the one module of the weight path both ends share
+# the modules of the weight path both ends share: the group and checksums, and a shard push's receiving side
+WIRE = {"megatron_areal.weights.wire", "megatron_areal.weights.shard_receive"}
 
 
 @pytest.mark.parametrize("receiver", ["server", "vllm_plugin"])
 def test_receivers_import_only_the_wire_protocol_of_the_weight_path(receiver: str) -> None:
-    """The servers (embedded, and vLLM's plugin) take part in the weight push through ``weights/wire.py``
-    alone: they pull in neither Megatron (the trainer side of the weight path) nor the rollout side."""
+    """The servers (embedded, and vLLM's plugin) take part in the weight push through ``weights/wire.py`` and
+    ``weights/shard_receive.py`` alone: they pull in neither Megatron (the trainer side of the weight path)
+    nor the rollout side."""
     graph = package_graph()
     assert "weights" in graph[receiver]
-    assert set(modules_imported_from(receiver, "weights")) == {WIRE}, dict(modules_imported_from(receiver, "weights"))
-    wire = PACKAGE / "weights" / "wire.py"
-    # of the package, wire.py imports only leaves of util/ (pure torch helpers that import nothing of the package)
-    ours = [m for m in imported_modules(wire) if m.startswith("megatron_areal.")]
-    assert all(m.startswith("megatron_areal.util.") for m in ours), f"wire.py imports the package: {ours}"
-    for name in ours:
-        leaf = PACKAGE.parent / (module_of(name).replace(".", "/") + ".py")
-        assert [m for m in imported_modules(leaf) if m.startswith("megatron_areal.")] == [], f"{leaf} is not a leaf"
+    assert set(modules_imported_from(receiver, "weights")) <= WIRE, dict(modules_imported_from(receiver, "weights"))
+    for module in sorted(WIRE):
+        path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+        # of the package, they import only leaves of util/ (pure torch helpers that import nothing of the package)
+        ours = [m for m in imported_modules(path) if m.startswith("megatron_areal.")]
+        assert all(m.startswith("megatron_areal.util.") for m in ours), f"{path.name} imports the package: {ours}"
+        for name in ours:
+            leaf = PACKAGE.parent / (module_of(name).replace(".", "/") + ".py")
+            assert [m for m in imported_modules(leaf) if m.startswith("megatron_areal.")] == [], f"{leaf} is not a leaf"
     init = PACKAGE / "weights" / "__init__.py"
     assert [m for m in imported_modules(init) if m.startswith("megatron_areal.")] == []
     assert not {"rollout", "fleet", "actor"} & set(graph[receiver]), dict(graph[receiver])

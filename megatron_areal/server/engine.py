@@ -490,7 +490,7 @@ class Engine:
 
     def update_from_shards(self, *, manifest: object, senders: int, group_name: str, version: str | None,
                            timeout_s: float | None = None) -> int:
-        """Receive the slices the manifest lists from the trainer ranks that hold them (``weights/wire.py``),
+        """Receive the slices the manifest lists from the trainer ranks that hold them (``weights/shard_receive.py``),
         installing each round's completed tensors; returns the tensors installed. A manifest that cannot
         describe a receive is refused before any is posted; a sender that fails is named."""
         self.require_update_session("update_weights_from_shards")

@@ -57,7 +57,7 @@ class GroupUpdateInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]] = field(default_factory=list)
     flattened: bool = False
     group_name: str | None = None  # checked against the group this worker joined, when given
-    # a shard push (``weights/wire.py``): slices from ``senders`` trainer ranks, point to point, as listed
+    # a shard push (``weights/shard_receive.py``): slices from ``senders`` trainer ranks, point to point, as listed
     manifest: dict[str, Any] | None = None
     senders: int = 0
     timeout_s: float = 300.0

@@ -1,5 +1,5 @@
 """A shard push's traffic, cut from the transfer plan: per sender, what goes to which server ranks in which
-round, and per server, the manifest it receives (``weights/wire.py``). Pure, so every trainer rank
+round, and per server, the manifest it receives (``weights/shard_receive.py``). Pure, so every trainer rank
 derives the same rounds without talking: a sender its own streams, rank 0 every server's manifest.
 
 A stream is one sender's slices for a set of server ranks that need exactly the same slices from it (all
