@@ -380,7 +380,8 @@ class Api:
 
     async def update_shards(self, request: web.Request) -> web.Response:
         """``/update_weights_from_shards`` (ours): receive slices from the trainer ranks that hold them, as the
-        manifest lists, point to point over the group, and install the assembled tensors (``weights/shard_receive.py``)."""
+        manifest lists, point to point over the group, and install the assembled tensors
+        (``weights/shard_receive.py``)."""
         b = await self._body(request)
         version = version_field(b, "weight_version", None)
         count = await self.weights.run(
