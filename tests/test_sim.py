@@ -243,12 +243,14 @@ def test_calibration_of_a_prompt_heavy_run_that_discards_groups(tmp_path):
 @pytest.mark.parametrize("run, overrides", [
     # 2-core AMD EPYC (AVX2, fp32), eta 2: one prompt a step on a quiet machine (steps of 6-46 s), and three
     # prompts a step on a loaded one (30-140 s); 20 steps at lr 1e-5, as the config then ran
-    ("smollm2_arith_run", ["staleness.eta=2", "train.steps=20"]),
+    ("smollm2_arith_run", ["staleness.eta=2", "rollout.batch_size=1", "train.steps=20"]),
     ("smollm2_arith_batch3_run", ["staleness.eta=2", "rollout.batch_size=3", "train.steps=20"]),
-    # 2-core Xeon with AMX (native bf16), as configured but for the 20 steps: steps of 4-15 s
-    ("smollm2_arith_amx_run", ["train.steps=20"]),
-    # 2-core AMD EPYC with AVX-512 bf16, as configured (12 steps at lr 1.5e-5, no checkpoints): steps of 3-15 s
-    ("smollm2_arith_avx512_run", []),
+    # 2-core Xeon with AMX (native bf16), as then configured (one prompt a step) but for the 20 steps: steps of
+    # 4-15 s
+    ("smollm2_arith_amx_run", ["rollout.batch_size=1", "train.steps=20"]),
+    # 2-core AMD EPYC with AVX-512 bf16, as then configured (12 steps of one prompt at lr 1.5e-5, no
+    # checkpoints): steps of 3-15 s
+    ("smollm2_arith_avx512_run", ["rollout.batch_size=1"]),
 ])
 def test_calibration_reproduces_a_real_main_job_on_cpu(run, overrides):
     """The README's main job (configs/smollm2_arith.yaml: two one-thread servers and a one-thread trainer on
