@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -223,6 +224,15 @@ def main() -> None:
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="async_vs_sync-"))
     root.mkdir(parents=True, exist_ok=True)
+    try:
+        measure(args, root)
+    finally:
+        if not args.keep:  # every run keeps a checkpoint: hundreds of MB each
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, root: Path) -> None:
+    """The interleaved repeats of every arm under ``root``, their ratios and the RESULT line."""
     repeats = []
     # Interleaved, so a change in the machine's load hits every arm; each repeat samples a new
     # seed (prompts, sampling, initial order), the same for all arms.

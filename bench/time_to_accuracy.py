@@ -44,6 +44,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -280,6 +281,15 @@ def main() -> int:
     args.threads = len(os.sched_getaffinity(0))  # the plain loops' torch threads: every core the main job gets
     root = args.keep or Path(tempfile.mkdtemp(prefix="time_to_accuracy-"))
     root.mkdir(parents=True, exist_ok=True)
+    try:
+        return measure(args, root)
+    finally:
+        if not args.keep:  # every run keeps a checkpoint: hundreds of MB each
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, root: Path) -> int:
+    """Every arm's runs under ``root``, the table of seeds, the medians and the RESULT lines."""
     print(f"level {100 * args.level:.0f}% held-out, limit {args.limit_s:.0f} s, evaluation every {args.eval_every} "
           f"steps, {args.runs} seeds from {args.seed}, {args.threads} cores for every arm; runs in {root}", flush=True)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -264,6 +265,7 @@ def main() -> None:
                 inbox.put(None)
                 s.terminate()
                 s.join(timeout=30)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _acks(links: list[tuple[Any, Any]], stages: int) -> None:
