@@ -229,6 +229,35 @@ def test_trainer_client_sends_nothing_keyed_to_a_server_that_is_not_the_runs(tmp
     assert asked and all(p.startswith("/run_identity?") for p in asked), asked
 
 
+def test_a_weight_push_sends_nothing_keyed_to_a_stranger_on_a_members_port(tmp_path: Path) -> None:
+    """A member that died may have left its port to another process. The first calls of every sync to a member
+    (the pause, and the check whether it was restarted) ask for the proof first, without the key: the stranger
+    gets no request carrying the API key, and the pause fails naming it."""
+    import asyncio
+
+    from megatron_areal.fleet.client import RolloutClient, ServerError
+    from megatron_areal.util.run_identity import NONCE_ENV, new_nonce
+    from megatron_areal.weights.push import pause_member
+
+    port = free_ports(1)[0]
+
+    async def pause() -> str:
+        async with RolloutClient(f"http://127.0.0.1:{port}", api_key="sk-run-secret") as client:
+            try:
+                return f"paused: {await pause_member(client, 'abort', '3')}"
+            except ServerError as e:
+                return str(e)
+
+    os.environ[NONCE_ENV] = new_nonce()
+    try:
+        with foreign_http_server(port) as asked:
+            outcome = asyncio.run(pause())
+    finally:
+        del os.environ[NONCE_ENV]
+    assert "not a server this run started" in outcome, outcome
+    assert asked and all(p.startswith("/run_identity?") for p in asked), asked
+
+
 # ---- every process ends when its main work fails; the launcher ends what stopped making progress --------
 
 LINGERING_RANK = """

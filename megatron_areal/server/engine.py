@@ -30,6 +30,7 @@ from megatron_areal.server.weights import (
     checksums,
     disk_bytes_bound,
     load_weights,
+    named_tensors,
     parse_dtype,
     read_safetensors,
 )
@@ -83,10 +84,10 @@ class Engine:
         self.groups: dict[str, WeightUpdateGroup] = {}
         self._update_session = False  # between /begin_weight_update and /end_weight_update
         # a model.lora run pushes adapters only: merged here into a kept copy of the base (weights/wire.py)
-        self.adapters = AdapterMerge(lambda name: self.model.state_dict()[name])
+        self.adapters = AdapterMerge(lambda name: named_tensors(self.model)[name].detach())
         # a shard push receives into the weights the one before replaced (weights/shard_receive.py): a second
         # copy of the weights held between pushes, and up to half as much again in receive buffers
-        weight_bytes = sum(t.nbytes for t in self.model.state_dict().values())
+        weight_bytes = sum(t.nbytes for t in named_tensors(self.model).values())
         self.spares = Spares(limit_bytes=weight_bytes + weight_bytes // 2)
         self._seeds = random.Random(opts.seed)
         self._lock = StepLock()  # held by a model step and by control operations (which go first)
@@ -491,10 +492,10 @@ class Engine:
     def update_from_shards(self, *, manifest: object, senders: int, group_name: str, version: str | None,
                            timeout_s: float | None = None) -> int:
         """Receive the slices the manifest lists from the trainer ranks that hold them (``weights/shard_receive.py``),
-        installing each round's completed tensors; returns the tensors installed. A manifest that cannot
+        installing tensors as they complete; returns the tensors installed. A manifest that cannot
         describe a receive is refused before any is posted; a sender that fails is named."""
         self.require_update_session("update_weights_from_shards")
-        limit = 8 * sum(t.numel() for t in self.model.state_dict().values())  # fp32, twice over
+        limit = 8 * sum(t.numel() for t in named_tensors(self.model).values())  # fp32, twice over
         try:
             rounds = check_manifest(manifest, senders=senders, max_bytes=limit)
         except ValueError as e:
@@ -510,8 +511,8 @@ class Engine:
             try:
                 count = receive_slices(group.pg, rounds, timeout_s=timeout_s, device=group.device,
                                        spares=self.spares,
-                                       on_round=lambda tensors: self._install(tensors, None, complete=False,
-                                                                              announce=False, replaced=replaced))
+                                       on_complete=lambda tensors: self._install(
+                                           tensors, None, complete=False, announce=False, replaced=replaced))
             except WireError as e:
                 raise WeightError(str(e)) from None
             finally:
@@ -530,7 +531,7 @@ class Engine:
         install, no one else's): those that fit become the parameters' storage, and the tensors they
         replace are appended to ``replaced``."""
         with self._lock, one_thread():
-            params = self.model.state_dict()
+            params = named_tensors(self.model)
             # whole weights replace whatever base an adapter was merged into
             self.adapters.forget([n for n in tensors if adapter_target(n) is None])
             try:

@@ -7,6 +7,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,23 @@ class WeightError(ValueError):
     """Weights that do not fit the model; the served weights are left unchanged."""
 
 
+_NAMED: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers by HF name: the live objects (``state_dict(keep_vars=True)``),
+    built once per model; ``state_dict()`` walks every module on each call, milliseconds a weight install paid
+    three times over. A load swaps a parameter's ``.data`` or copies into it, never replaces the object."""
+    named = _NAMED.get(model)
+    if named is None:
+        named = _NAMED[model] = model.state_dict(keep_vars=True)
+    return named
+
+
 def disk_bytes_bound(model: nn.Module) -> int:
     """The most bytes a weights folder for ``model`` may hold: every tensor (plus a tied head) at
     8 bytes per element, the widest floating-point type, and the safetensors headers."""
-    sizes = [t.numel() for t in model.state_dict().values()]
+    sizes = [t.numel() for t in named_tensors(model).values()]
     return 8 * (sum(sizes) + max(sizes, default=0)) + HEADER_ALLOWANCE_BYTES
 
 
@@ -211,7 +225,7 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complet
     ``complete`` also requires every model tensor to be present (a load from disk); distributed
     updates may come bucket by bucket, each naming a subset.
     """
-    params = dict(model.state_dict())
+    params = named_tensors(model)
     tied = getattr(getattr(model, "arch", None), "tie_word_embeddings", False)
     unknown = [n for n in tensors if n not in params and not (tied and n == "lm_head.weight")]
     if unknown:
@@ -261,20 +275,19 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complete
     one else): one of the parameter's dtype, device and layout becomes the parameter's storage, not
     copied, and the tensor it replaces is appended to ``replaced``."""
     check_weights(model, tensors, complete=complete)
-    params = dict(model.state_dict())
-    check_finite(tensors, {name: p.dtype for name, p in params.items()})
-    owned = dict(model.named_parameters()) if replaced is not None else {}
+    params = named_tensors(model)
+    check_finite(tensors, {name: params[name].dtype for name in tensors if name in params})
     loaded = 0
     for name, t in tensors.items():
-        if name not in params:  # a tied lm_head.weight is the embedding, already loaded
+        param = params.get(name)
+        if param is None:  # a tied lm_head.weight is the embedding, already loaded
             continue
-        param = owned.get(name)
-        if param is not None and t.dtype == param.dtype and t.device == param.device and t.is_contiguous():
-            assert replaced is not None
+        if replaced is not None and isinstance(param, nn.Parameter) and t.dtype == param.dtype \
+                and t.device == param.device and t.is_contiguous():
             replaced.append(param.data)
             param.data = t
         else:
-            params[name].copy_(t)
+            param.copy_(t)
         loaded += 1
     return loaded
 

@@ -156,7 +156,7 @@ class GroupWeightTransferEngine(WeightTransferEngine[GroupInitInfo, GroupUpdateI
             for name in list(tensors):
                 self.spares.give(tensors.pop(name))
 
-        receive_slices(self.group, rounds, timeout_s=update_info.timeout_s, device=self.device, on_round=load,
+        receive_slices(self.group, rounds, timeout_s=update_info.timeout_s, device=self.device, on_complete=load,
                        spares=self.spares)
 
     def _receive_flat(self, names: list[str], dtypes: list[torch.dtype],

@@ -97,14 +97,26 @@ async def _restarted(client: RolloutClient, version: str) -> str | None:
 
     Versions we push are integers; a server that answers with a launch label instead (``"default"``,
     SGLang's and ours) is a fresh process on a member's port: it lost the weights and its place in the
-    weight group, so it is dropped before the pause, and ``readmit`` at the end of the sync takes it back
-    with the current weights. One that does not answer within 10 s is left to the pause."""
+    weight group, so it is dropped before the push, and ``readmit`` at the end of the sync takes it back
+    with the current weights. One that does not answer within 10 s counts as not restarted (the push finds out)."""
     try:
         label = str(await asyncio.wait_for(client.weight_version(), 10.0))
     except Exception:  # noqa: BLE001 - no answer: the pause decides
         return None
     if label != version and not _is_int(label):
         return f"answers with weight version {label!r} instead of {version!r}: it was restarted"
+    return None
+
+
+async def pause_member(client: RolloutClient, mode: str, version: str | None) -> str | None:
+    """Pause one server and open its update session. The pause goes first: it proves the server is this run's
+    before anything keyed is sent to it (``RolloutClient.pause``). With ``version`` (the last sync's) it then
+    asks whether the server was restarted since (``_restarted``): returns why, with no session opened (the
+    re-admission pauses it again and pushes it the weights), or None."""
+    await client.pause(mode)
+    if version is not None and (why := await _restarted(client, version)):
+        return why
+    await weight_calls(client).begin_weight_update()
     return None
 
 
@@ -268,9 +280,8 @@ class WeightSync:
 
     # ---- steps (each collective over the control group) ----------------------------------
     def _pause(self, urls: list[str], members: bool = False) -> dict[str, str]:
-        """Rank 0 pauses the servers and opens their update sessions, one fan-out; the dead are dropped, and
-        with ``members`` those restarted since the last sync (``_restarted``), which are not paused. Returns
-        {url: why} of the dropped."""
+        """Rank 0 pauses the servers and opens their update sessions, one fan-out (``pause_member``); the dead
+        are dropped, and with ``members`` those restarted since the last sync. Returns {url: why} of the dropped."""
         errors: dict[str, str] = {}
         restarted: dict[str, str] = {}
         if self.rank0:
@@ -278,11 +289,8 @@ class WeightSync:
             mode, version = self.config.pause_mode, self.version if members else None
 
             async def pause_and_begin(c: RolloutClient, url: str) -> None:  # each server in its own time
-                if version is not None and (why := await _restarted(c, version)):
+                if why := await pause_member(c, mode, version):
                     restarted[url] = why
-                    return
-                await c.pause(mode)
-                await weight_calls(c).begin_weight_update()
 
             futures = {u: self.fleet.submit(u, lambda c, u=u: pause_and_begin(c, u)) for u in urls}
             errors = wait_all(futures, self.fleet.timeout_s)

@@ -16,6 +16,7 @@ against 13 ms into memory touched before (one thread).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -86,14 +87,16 @@ def check_manifest(manifest: object, *, senders: int, max_bytes: int) -> list[li
 
 
 def receive_slices(pg: dist.ProcessGroup, rounds: list[list[tuple[int, str, list]]], *, timeout_s: float,
-                   device: torch.device, on_round: object, spares: Spares | None = None) -> int:
+                   device: torch.device, on_complete: Callable[[dict[str, torch.Tensor]], None],
+                   spares: Spares | None = None) -> int:
     """Receive every round of a checked manifest (``check_manifest``) and assemble whole tensors.
 
-    After each round ``on_round({name: tensor})`` gets the tensors completed in it (fresh tensors, no
-    one else's). Round k + 1's receives are posted before round k is waited for, so at most two rounds'
-    tensors are held. Every wait is bounded by ``timeout_s``; a sender that fails or stays silent raises
-    ``WireError`` naming it. Tensors and buffers come from ``spares`` where it has them (the buffers go back
-    to it). Returns the number of tensors assembled.
+    As soon as a message completes tensors, ``on_complete({name: tensor})`` gets them (fresh tensors, no one
+    else's): installed while their bytes are still in the CPU's cache, and while the next messages are on the
+    wire, not all at the end. Round k + 1's receives are posted before round k is waited for, so at most two
+    rounds' tensors are held. Every wait is bounded by ``timeout_s``; a sender that fails or stays silent
+    raises ``WireError`` naming it. Tensors and buffers come from ``spares`` where it has them (the buffers go
+    back to it). Returns the number of tensors assembled.
     """
     spares = spares if spares is not None else Spares(0)
     assembly = _Assembly(device, spares)
@@ -101,17 +104,15 @@ def receive_slices(pg: dist.ProcessGroup, rounds: list[list[tuple[int, str, list
     posted = _post(pg, rounds[0], 0, assembly) if rounds else []
     for k in range(len(rounds)):
         ahead = _post(pg, rounds[k + 1], k + 1, assembly) if k + 1 < len(rounds) else []
-        complete: dict[str, torch.Tensor] = {}
         for sender, work, finish in posted:
             try:
                 work.wait(timedelta(seconds=timeout_s))
             except RuntimeError as e:
                 raise WireError(f"{sender}: round {k} of the weight push not received: {e}") from None
-            for name in finish():
-                complete[name] = assembly.take(name)
-        done += len(complete)
-        if complete:
-            on_round(complete)  # type: ignore[operator]
+            complete = {name: assembly.take(name) for name in finish()}
+            done += len(complete)
+            if complete:
+                on_complete(complete)
         posted = ahead
     if assembly.missing:
         missing = ", ".join(f"{n} ({m} elements)" for n, m in list(assembly.missing.items())[:5])
