@@ -15,10 +15,8 @@ against 13 ms into memory touched before (one thread).
 """
 from __future__ import annotations
 
-import queue
-import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -106,7 +104,11 @@ def receive_slices(pg: dist.ProcessGroup, rounds: list[list[tuple[int, str, list
     posted = _post(pg, rounds[0], 0, assembly) if rounds else []
     for k in range(len(rounds)):
         ahead = _post(pg, rounds[k + 1], k + 1, assembly) if k + 1 < len(rounds) else []
-        for _, _, finish in _in_arrival_order(posted, k, timeout_s):
+        for sender, work, finish in posted:
+            try:
+                work.wait(timedelta(seconds=timeout_s))
+            except RuntimeError as e:
+                raise WireError(f"{sender}: round {k} of the weight push not received: {e}") from None
             complete = {name: assembly.take(name) for name in finish()}
             done += len(complete)
             if complete:
@@ -116,38 +118,6 @@ def receive_slices(pg: dist.ProcessGroup, rounds: list[list[tuple[int, str, list
         missing = ", ".join(f"{n} ({m} elements)" for n, m in list(assembly.missing.items())[:5])
         raise WireError(f"weight push ended with tensors incomplete: {missing}")
     return done
-
-
-def _in_arrival_order(posted: list[tuple[str, dist.Work, object]], k: int,
-                      timeout_s: float) -> Iterator[tuple[str, dist.Work, object]]:
-    """The posted receives as they arrive: one thread per sender waits for its messages in order (a transport
-    delivers one sender's messages in order, and its receives cannot be polled), so one slow sender does not
-    hold back installing what the others sent. ``WireError`` names a sender whose receive failed or stayed
-    silent for ``timeout_s``."""
-    by_sender: dict[str, list[tuple[str, dist.Work, object]]] = defaultdict(list)
-    for p in posted:
-        by_sender[p[0]].append(p)
-    arrived: queue.Queue[tuple[tuple[str, dist.Work, object], str | None]] = queue.Queue()
-
-    def wait_in_order(messages: list[tuple[str, dist.Work, object]]) -> None:
-        for p in messages:
-            try:
-                p[1].wait(timedelta(seconds=timeout_s))
-            except RuntimeError as e:
-                arrived.put((p, str(e)))
-                return
-            arrived.put((p, None))
-
-    for messages in by_sender.values():
-        threading.Thread(target=wait_in_order, args=(messages,), daemon=True, name="weight-receive").start()
-    for _ in posted:
-        try:
-            p, error = arrived.get(timeout=timeout_s + 5.0)  # each thread's own wait ends first, naming its sender
-        except queue.Empty:
-            raise WireError(f"round {k} of the weight push: nothing received within {timeout_s:.0f} s") from None
-        if error is not None:
-            raise WireError(f"{p[0]}: round {k} of the weight push not received: {error}")
-        yield p
 
 
 class _Assembly:
