@@ -9,8 +9,11 @@ thread. Before timing, the trainer's weights are perturbed and every server's pe
 compared with the HF tensors the stage heads gather and convert (``weights/gather.py``, the conversion's
 path): a difference exits non-zero without a RESULT line.
 
+The trainer ranks' allocator is set as a long-running process settles (``_malloc_for``) for the timed syncs;
+one more sync, untimed, maps every block over 64 KiB on its own to measure what a push holds at once.
+
 Prints seconds per sync, bytes moved, the bytes each trainer rank sent, the ranks' peak extra memory
-(resident-set high-water mark during a sync, and the push's own bucket buffers) against one bucket,
+(resident-set high-water mark during that sync, and the push's own bucket buffers) against one bucket,
 and the transfer plan's rows (dense and Qwen3-MoE at EP2, servers at TP1 and TP2).
 
     python bench/weight_sync.py [--hidden 512 --layers 8 --bucket-mb 16 --repeats 3 --tp 2 --pp 2]
@@ -116,10 +119,29 @@ def _t_reference() -> dict[str, str]:
                                                                       _STATE["groups"])}
 
 
-def _t_sync(version: str) -> dict[str, Any]:
+def _malloc_for(memory: bool) -> None:
+    """glibc's allocator for a timed sync, or for the one that measures memory.
+
+    Timed: the thresholds a long-running process settles to (glibc raises them to these after it frees large
+    blocks), so a push's temporary copies reuse freed memory as in a trainer that has run for a while.
+    Measuring: every block over 64 KiB is mapped on its own and given back when freed, and freed memory is
+    returned first, so the resident-set high-water mark during the sync is what the sync itself held at once.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt's parameter numbers (malloc.h)
+    libc.mallopt(m_mmap_threshold, 64 << 10 if memory else 32 << 20)
+    libc.mallopt(m_trim_threshold, 128 << 10 if memory else 64 << 20)
+    if memory:
+        libc.malloc_trim(0)
+
+
+def _t_sync(version: str, memory: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     sync = _STATE["sync"]
+    _malloc_for(memory)
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # reset the resident-set high-water mark
     rss = _rss_kb("VmRSS")
@@ -221,9 +243,6 @@ def main() -> None:
     for s in servers:
         s.start()
     urls = [f"http://127.0.0.1:{port}" for port in ports]
-    # Trainer ranks only: a fixed mmap threshold returns large blocks to the OS when freed, so the
-    # resident-set high-water mark during a sync measures what the sync itself held at once.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
     pool = WorkerPool(args.tp * args.pp, timeout_s=1800)
     try:
         for url in urls:
@@ -255,7 +274,8 @@ def main() -> None:
                     inbox.put(("recv", f"raw{stage}", {"pieces": pieces[stage]}))
             raws.append(max(pool.run(_t_raw, pieces)))
             _acks(links, args.pp)
-        _report(args, model, syncs, raws, heads, pieces)
+        memory = pool.run(_t_sync, "memory", True)  # one more, untimed, to measure what a push holds
+        _report(args, model, syncs, raws, memory, pieces)
     finally:
         try:
             pool.run(_t_close)
@@ -318,7 +338,7 @@ def _plan_rows(model: Path, tp: int, pp: int) -> float:
 
 
 def _report(args: argparse.Namespace, model: Path, syncs: list[list[dict[str, Any]]], raws: list[float],
-            heads: dict[int, int], pieces: list[list[int]]) -> None:
+            memory: list[dict[str, Any]], pieces: list[list[int]]) -> None:
     sync_s = statistics.median(max(r["seconds"] for r in results) for results in syncs)
     raw_s = statistics.median(raws)
     first = syncs[0]
@@ -339,10 +359,11 @@ def _report(args: argparse.Namespace, model: Path, syncs: list[list[dict[str, An
     if wire:
         print("bytes sent per trainer rank (MiB): " + " ".join(f"{n / 2**20:.1f}" for n in wire)
               + f"  -> measured busiest share {max(wire) / (sum(wire) / len(wire)):.3f} (servers TP1)")
-    extra = max(max(r["extra_kb"] for r in results) for results in syncs) * 1024
-    buffers = max(max(r["peak"] for r in results) for results in syncs)
+    extra = max(r["extra_kb"] for r in memory) * 1024
+    buffers = max(r["peak"] for r in memory)
     print(f"peak extra memory on any trainer rank: {extra / 2**20:.1f} MiB = {extra / bucket:.2f} buckets "
-          f"(resident-set high-water mark); the push's bucket buffers {buffers / bucket:.2f} buckets")
+          f"(resident-set high-water mark of a sync that maps every block over 64 KiB on its own); the push's "
+          f"bucket buffers {buffers / bucket:.2f} buckets")
     share = _plan_rows(model, args.tp, args.pp)
     print(f"RESULT weight_sync_vs_raw {raw_s / sync_s:.3f}")
     print(f"RESULT weight_push_busiest_share {share:.3f}")
