@@ -101,7 +101,7 @@ async def _restarted(client: RolloutClient, version: str) -> str | None:
     with the current weights. One that does not answer within 10 s counts as not restarted (the push finds out)."""
     try:
         label = str(await asyncio.wait_for(client.weight_version(), 10.0))
-    except Exception:  # noqa: BLE001 - no answer: the pause decides
+    except Exception:  # noqa: BLE001 - no answer: taken as not restarted; the push finds out
         return None
     if label != version and not _is_int(label):
         return f"answers with weight version {label!r} instead of {version!r}: it was restarted"
