@@ -544,7 +544,9 @@ class Engine:
             # The KV of running requests was computed with the old weights: drop it; they are
             # prefilled again from prompt + tokens so far, under the new weights.
             self._retract()
-        self._work.set()
+            paused = self.paused
+        if not paused:  # paused: ``resume`` wakes the runner; waking it for every install only contends for the lock
+            self._work.set()
         if announce:  # a shard push announces once, with its version, when every round is in
             log.info("weights updated (%d tensors), version %s", len(tensors), self.weight_version)
 

@@ -250,21 +250,32 @@ def check_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *, complet
 @torch.no_grad()
 def check_finite(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> None:
     """Raise WeightError naming the tensors with a NaN, an infinity, or a value the model's dtype
-    (``dtypes[name]``) cannot hold. One min/max pass per tensor and one device sync per bucket."""
-    flags, names = [], []
+    (``dtypes[name]``) cannot hold.
+
+    A tensor whose finite values the model's dtype always holds (the same dtype or a wider one) is read
+    once for its sum, which is finite unless an element is NaN or infinite, or the sum overflowed; only
+    the tensors whose sum is not finite, and those cast to a narrower dtype, take the exact min/max pass.
+    One device sync for the sums and one for the exact pass, when it runs."""
+    quick, exact = [], []  # (name, tensor, the largest value the model's dtype holds)
     for name, t in tensors.items():
         if not t.is_floating_point() or t.numel() == 0:
             continue
         target = dtypes.get(name, t.dtype)
         limit = torch.finfo(target if target.is_floating_point else t.dtype).max
+        (quick if limit >= torch.finfo(t.dtype).max else exact).append((name, t, limit))
+    if quick:
+        finite = torch.stack([t.sum().isfinite() for _, t, _ in quick]).tolist()
+        exact += [q for q, ok in zip(quick, finite, strict=True) if not ok]
+    if not exact:
+        return
+    flags = []
+    for _, t, limit in exact:
         lo, hi = torch.aminmax(t)
         flags.append((lo >= -limit) & (hi <= limit))  # false for NaN too: every comparison with NaN is
-        names.append(name)
-    if not flags or bool(torch.stack(flags).all()):
-        return
-    bad = [n for n, ok in zip(names, torch.stack(flags).tolist(), strict=True) if not ok]
-    raise WeightError(f"non-finite values (NaN, infinity, or beyond the model's dtype) in {', '.join(bad[:5])}"
-                      + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "") + "; the served weights are kept")
+    bad = [name for (name, _, _), ok in zip(exact, torch.stack(flags).tolist(), strict=True) if not ok]
+    if bad:
+        raise WeightError(f"non-finite values (NaN, infinity, or beyond the model's dtype) in {', '.join(bad[:5])}"
+                          + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "") + "; the served weights are kept")
 
 
 @torch.no_grad()
