@@ -271,7 +271,7 @@ def check_finite(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype
     flags = []
     for _, t, limit in exact:
         lo, hi = torch.aminmax(t)
-        flags.append((lo >= -limit) & (hi <= limit))  # false for NaN too: every comparison with NaN is
+        flags.append((lo >= -limit) & (hi <= limit))  # false for NaN too: every comparison with NaN is false
     bad = [name for (name, _, _), ok in zip(exact, torch.stack(flags).tolist(), strict=True) if not ok]
     if bad:
         raise WeightError(f"non-finite values (NaN, infinity, or beyond the model's dtype) in {', '.join(bad[:5])}"
